@@ -1,0 +1,1 @@
+"""reinforge.actors — see ARCHITECTURE.md."""

@@ -1,0 +1,1 @@
+"""reinforge.engine — see ARCHITECTURE.md."""

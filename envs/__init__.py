@@ -1,0 +1,1 @@
+"""reinforge.envs — see ARCHITECTURE.md."""

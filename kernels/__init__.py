@@ -1,0 +1,1 @@
+"""reinforge.kernels — see ARCHITECTURE.md."""

@@ -1,0 +1,62 @@
+"""The `reinforge` command line: one dispatcher, sub-commands owned by their packages.
+
+Each module in COMMAND_MODULES defines `register(subparsers)`, which adds its
+sub-commands and sets `func(args) -> int` on each. Registration must stay cheap:
+heavy imports (torch, tvm) happen inside the command functions, so that
+`reinforge --help` and `reinforge status` start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Named by string so that this dispatcher, not `core`, knows about every layer.
+COMMAND_MODULES = (
+    "reinforge.core.cli",
+    "reinforge.envs.cli",
+    "reinforge.kernels.cli",
+    "reinforge.engine.cli",
+    "reinforge.actors.cli",
+)
+
+
+class UserError(Exception):
+    """A mistake the user can fix: printed as one line, no traceback, exit 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="reinforge",
+        description="RL post-training from verifiable rewards, as an actor system over NATS.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:  # a real missing dependency, not a missing module
+                raise
+            continue
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        print(f"reinforge {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
