@@ -1,0 +1,248 @@
+"""Every message that crosses the bus: a closed, tagged union of frozen msgspec Structs.
+
+Wire format: msgpack. Each Struct carries a tag of the form ``"<kind>/<schema>"``
+(e.g. ``"rollout/1"``) in the field ``type``; one reusable typed decoder turns bytes
+back into exactly one of these classes or raises `MessageError` naming the field.
+
+Schema evolution (msgspec's rules, docs/schema-evolution.rst):
+  * A new field is added at the END of a Struct and has a default; old readers
+    ignore it, new readers fill the default when it is absent.
+  * A field is never removed, renamed, re-typed or re-ordered within one schema;
+    nor does a default change meaning.
+  * Anything else is a new schema: a new class with tag ``"<kind>/<n+1>"``. Both
+    classes stay in `Message` until no log that holds the old tag is replayed.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any, Union
+
+import msgspec
+
+
+class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    """Base of every bus message. `sent_at` is the sender's wall clock (s since epoch)."""
+
+    sent_at: float = msgspec.field(default_factory=time.time)
+
+
+class Outcome(str, enum.Enum):
+    """How a verification ended. Only the candidate's own results carry a reward;
+    `infra_error` means our infrastructure failed and the sample is masked, never 0."""
+
+    PASS = "pass"
+    FAIL = "fail"
+    TIMEOUT = "timeout"
+    ERROR = "error"
+    INFRA_ERROR = "infra_error"
+
+
+# ----------------------------------------------------------------------------- data plane
+
+
+class Task(_Msg, frozen=True, tag="task/1"):
+    """One prompt to be sampled `group_size` times (one GRPO group)."""
+
+    task_id: str
+    domain: str
+    tier: int
+    prompt: str
+    spec: dict[str, Any] = {}  # domain-owned, msgpack-safe; validated by the domain
+    group_size: int = 1
+    attempt: int = 1  # lease attempt, for retries after a dead sampler
+    min_version: int = 0  # oldest policy version allowed to answer it
+    purpose: str = "train"  # "train" | "eval"
+
+
+class Timings(msgspec.Struct, frozen=True, kw_only=True):
+    queued_s: float = 0.0
+    generate_s: float = 0.0
+    verify_s: float = 0.0
+
+
+class Rollout(_Msg, frozen=True, tag="rollout/1"):
+    """One sample of one task, with what the learner needs to compute the PPO ratio."""
+
+    rollout_id: str  # deterministic: f"{task_id}:{sample_index}:{attempt}"
+    task_id: str
+    sample_index: int
+    domain: str
+    tier: int
+    prompt: str
+    completion: str
+    prompt_ids: list[int] = []
+    output_ids: list[int] = []
+    logprobs: list[float] = []  # behaviour logprobs of output_ids, same length
+    policy_version: int = 0
+    finish_reason: str = ""
+    spec: dict[str, Any] = {}
+    group_size: int = 1
+    timings: Timings = Timings()
+    purpose: str = "train"
+
+
+class Check(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    passed: bool
+    detail: str = ""
+
+
+class ScoredRollout(_Msg, frozen=True, tag="scored/1"):
+    rollout: Rollout
+    reward: float
+    outcome: Outcome
+    checks: list[Check] = []
+    reason: str = ""
+    verifier_id: str = ""
+
+
+class WeightsPublished(_Msg, frozen=True, tag="weights/1"):
+    version: int
+    path: str
+    step: int = 0
+
+
+class Rollback(_Msg, frozen=True, tag="rollback/1"):
+    """Go back to a known good version (from the evaluator's regression guard)."""
+
+    to_version: int
+    path: str
+    reason: str
+
+
+class TrainStats(_Msg, frozen=True, tag="train-stats/1"):
+    version: int
+    step: int
+    loss: float
+    figures: dict[str, float] = {}
+
+
+class EvalStats(_Msg, frozen=True, tag="eval-stats/1"):
+    version: int
+    domain: str
+    pass_at_1: float
+    pass_at_k: float
+    k: int
+    n_tasks: int
+    figures: dict[str, float] = {}
+
+
+class Echo(_Msg, frozen=True, tag="echo/1"):
+    """Payload of the trivial echo actors (smoke tests, benchmarks)."""
+
+    seq: int
+    body: str = ""
+
+
+class DeadLetter(_Msg, frozen=True, tag="dead-letter/1"):
+    """A message that could not be handled, with why. `payload` is the raw bytes."""
+
+    subject: str
+    reason: str
+    actor_id: str
+    payload: bytes = b""
+    stream_seq: int = 0
+    deliveries: int = 0
+
+
+# ----------------------------------------------------------------------------- control plane
+
+
+class ProcessFigures(msgspec.Struct, frozen=True, kw_only=True):
+    cpu_percent: float = 0.0
+    rss_bytes: int = 0
+    num_threads: int = 0
+
+
+class Heartbeat(_Msg, frozen=True, tag="heartbeat/1"):
+    actor_id: str
+    actor_type: str
+    host: str
+    pid: int
+    started_at: float
+    msgs_in: int = 0
+    msgs_out: int = 0
+    dead_letters: int = 0
+    process: ProcessFigures = ProcessFigures()
+    waiting_on: str = ""  # what the actor is blocked on right now ("" = busy or idle)
+    waiting_since: float = 0.0
+    wait_deadline_s: float = 0.0  # 0 = no deadline
+    state: str = "running"  # "starting" | "running" | "draining"
+    capabilities: list[str] = []
+    figures: dict[str, float] = {}
+
+
+class Announce(_Msg, frozen=True, tag="announce/1"):
+    """An actor joined the run (`joined`) or left it (`left`)."""
+
+    actor_id: str
+    actor_type: str
+    host: str
+    pid: int
+    capabilities: list[str] = []
+    event: str = "joined"
+
+
+class AttachRequest(_Msg, frozen=True, tag="attach/1"):
+    """Ask the run's supervisor to start replicas of an actor class."""
+
+    spec: str  # "pkg.module:Class", "path/file.py:Class" or an entry-point name
+    replicas: int = 1
+    overrides: dict[str, str] = {}
+
+
+class Stop(_Msg, frozen=True, tag="stop/1"):
+    reason: str = ""
+    actor_id: str = ""  # "" = every actor of the run
+
+
+Message = Union[
+    Task,
+    Rollout,
+    ScoredRollout,
+    WeightsPublished,
+    Rollback,
+    TrainStats,
+    EvalStats,
+    Echo,
+    DeadLetter,
+    Heartbeat,
+    Announce,
+    AttachRequest,
+    Stop,
+]
+
+MESSAGE_TYPES: tuple[type, ...] = Message.__args__  # type: ignore[attr-defined]
+
+
+class MessageError(ValueError):
+    """A payload that is not a well-formed message; the text names the field."""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: _Msg) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    """Decode one message; raise `MessageError` saying what is wrong and where."""
+    try:
+        return _decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise MessageError(f"invalid message: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise MessageError(f"undecodable payload ({len(data)} bytes): {exc}") from None
+
+
+def tag_of(cls: type) -> str:
+    return cls.__struct_config__.tag  # type: ignore[attr-defined]
+
+
+def to_builtins(msg: _Msg) -> dict[str, Any]:
+    """A JSON-friendly dict (bytes become base64), for `log show --json` and reports."""
+    return msgspec.to_builtins(msg)
