@@ -421,38 +421,44 @@ class _Runner:
         async with ctx.bus.subscribe(inp.subject, queue=inp.group) as sub:
             task_status.started()
             slots = trio.Semaphore(inp.concurrency)
+            handler = inp.handler
             async with trio.open_nursery() as workers:
                 with intake.scope():
                     async for batch in sub:
+                        # The hot path of core intake: kept flat (one await per message).
                         for raw in batch:
                             msg, error = self._decode_checked(inp, raw.data)
                             if error:
                                 await ctx.dead_letter(raw.subject, raw.data, error)
                                 continue
-                            ctx.counts["msgs_in"] += 1
-                            if inp.concurrency == 1:
-                                await self._call_core(inp, msg, raw.subject, raw.data)
-                            else:
+                            if inp.concurrency > 1:
                                 await slots.acquire()
                                 workers.start_soon(self._call_core_slot, inp, msg, raw, slots)
+                                continue
+                            try:
+                                await handler(msg)
+                            except Exception as exc:  # noqa: BLE001
+                                await self._core_failure(raw.subject, raw.data, exc)
+                        ctx.counts["msgs_in"] += len(batch)
                 workers.cancel_scope.deadline = (
                     trio.current_time() + self.runtime.drain_timeout_s
                 )
 
     async def _call_core_slot(self, inp: Input, msg: Any, raw: Any, slots: trio.Semaphore) -> None:
         try:
-            await self._call_core(inp, msg, raw.subject, raw.data)
+            await inp.handler(msg)
+        except Exception as exc:  # noqa: BLE001
+            await self._core_failure(raw.subject, raw.data, exc)
         finally:
             slots.release()
 
-    async def _call_core(self, inp: Input, msg: Any, subject: str, data: bytes) -> None:
-        try:
-            await inp.handler(msg)
-        except Reject as exc:
+    async def _core_failure(self, subject: str, data: bytes, exc: Exception) -> None:
+        """Core NATS cannot redeliver: record the failure in the dead-letter log, keep serving."""
+        if isinstance(exc, Reject):
             await self.ctx.dead_letter(subject, data, f"rejected: {exc}")
-        except (Retry, Exception) as exc:  # core NATS cannot redeliver: record, keep serving
-            self.ctx.counts["handler_errors"] += 1
-            await self.ctx.dead_letter(subject, data, f"handler error: {type(exc).__name__}: {exc}")
+            return
+        self.ctx.counts["handler_errors"] += 1
+        await self.ctx.dead_letter(subject, data, f"handler error: {type(exc).__name__}: {exc}")
 
     async def _serve_durable(
         self, inp: Input, intake: _Intake, task_status: trio.TaskStatus[None]

@@ -16,13 +16,14 @@ JetStream pull consumers only fetch what the caller asks for.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import nats
@@ -55,9 +56,8 @@ class BusStatistics(msgspec.Struct, frozen=True, kw_only=True):
     pending_out: int
 
 
-@dataclass(frozen=True, slots=True)
-class RawMsg:
-    """A message as it came off the wire (not yet decoded)."""
+class RawMsg(NamedTuple):
+    """A message as it came off the wire (not yet decoded). A tuple: cheap to make."""
 
     subject: str
     data: bytes
@@ -229,8 +229,6 @@ class Bus:
                 req.done.set()
 
     async def _aio_publish_durable_batch(self, batch: list[_DurableRequest]) -> list[Any]:
-        import asyncio
-
         deadline = time.monotonic() + self._publish_timeout_s
         results: list[Any] = [None] * len(batch)
         todo = list(range(len(batch)))
@@ -275,7 +273,7 @@ class Bus:
     ) -> AsyncIterator[Subscription]:
         """Receive core NATS messages as batches: `async for batch in sub`."""
         sub = Subscription(self, max_buffered)
-        nsub = await self.aio(self._subscribe_and_flush)(subject, queue, sub._on_msg)
+        nsub = await self.aio(self._subscribe_and_flush)(subject, queue, sub)
         try:
             yield sub
         finally:
@@ -285,8 +283,11 @@ class Bus:
                 except (nats.errors.ConnectionClosedError, nats.errors.BadSubscriptionError):
                     pass
 
-    async def _subscribe_and_flush(self, subject: str, queue: str, cb: Any) -> Any:
-        nsub = await self._nc.subscribe(subject, queue=queue, cb=cb)
+    async def _subscribe_and_flush(self, subject: str, queue: str, sub: Subscription) -> Any:
+        nsub = await self._nc.subscribe(
+            subject, queue=queue, pending_msgs_limit=sub.max_buffered
+        )
+        sub.attach(nsub)
         await self._nc.flush()  # the server knows the interest before we return
         return nsub
 
@@ -409,31 +410,60 @@ class Bus:
                     pass
 
 
+class _WakingQueue(asyncio.Queue):
+    """nats-py's per-subscription queue, plus a trio wake-up on every put.
+
+    nats-py would otherwise run one asyncio task per subscription that awaits each
+    message and calls a callback; under trio-asyncio that task switch per message
+    costs more than everything else on the receive path. With this queue the
+    parser's `put_nowait` wakes the trio side, which drains a whole batch at once.
+    """
+
+    def __init__(self, maxsize: int, wakeup: Callable[[], None]) -> None:
+        super().__init__(maxsize=maxsize)
+        self._wake = wakeup
+
+    def put_nowait(self, item: Any) -> None:
+        super().put_nowait(item)
+        self._wake()
+
+
 class Subscription:
     """Batches of core NATS messages, delivered without crossing the bridge."""
 
     def __init__(self, bus: Bus, max_buffered: int) -> None:
         self._bus = bus
-        self._buf: collections.deque[RawMsg] = collections.deque()
-        self._max = max_buffered
+        self.max_buffered = max_buffered
+        self._nsub: Any = None
+        self._queue: _WakingQueue | None = None
         self._wakeup = trio.Event()
 
-    async def _on_msg(self, msg: Any) -> None:  # runs in asyncio, on the trio thread
-        if len(self._buf) >= self._max:
-            self._bus.count("slow_consumer_drops")
-            return
-        self._buf.append(RawMsg(msg.subject, msg.data, msg.headers, msg.reply))
+    def attach(self, nsub: Any) -> None:
+        # Relies on nats-py's Subscription internals (`_pending_queue`, `_pending_size`),
+        # stable since nats-py 2.0; tests/core/test_core_bus.py covers it.
+        self._nsub = nsub
+        self._queue = _WakingQueue(self.max_buffered, self._on_put)
+        nsub._pending_queue = self._queue
+
+    def _on_put(self) -> None:
         self._wakeup.set()
 
     def __aiter__(self) -> Subscription:
         return self
 
     async def __anext__(self) -> list[RawMsg]:
-        while not self._buf:
+        queue = self._queue
+        assert queue is not None, "Subscription used before it was attached"
+        while queue.empty():
             await self._wakeup.wait()
             self._wakeup = trio.Event()
-        batch = list(self._buf)
-        self._buf.clear()
+        batch = []
+        size = 0
+        while not queue.empty():
+            msg = queue.get_nowait()
+            size += len(msg.data)
+            batch.append(RawMsg(msg.subject, msg.data, msg.headers, msg.reply))
+        self._nsub._pending_size -= size
         self._bus.count("received", len(batch))
         return batch
 

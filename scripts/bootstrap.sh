@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Set up a fresh machine for reinforge: system packages (when root), rootless Podman
+# and its sandbox image, the virtual environment at .venv, and the package itself.
+# Idempotent: a second run takes seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON="${PYTHON:-python3}"
+"$PYTHON" - <<'PY' || { echo "bootstrap: reinforge needs Python >= 3.11" >&2; exit 1; }
+import sys; raise SystemExit(sys.version_info < (3, 11))
+PY
+
+step() { printf '\n==> %s\n' "$*"; }
+
+if [ -f scripts/setup_podman.sh ]; then
+  step "rootless Podman (sandboxes)"
+  bash scripts/setup_podman.sh
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  step "virtual environment .venv"
+  "$PYTHON" -m venv .venv
+  .venv/bin/pip install -q --upgrade pip
+fi
+
+# A plain `torch` would pull a multi-GB CUDA build; the CPU wheel is pinned first.
+# Set REINFORGE_TORCH to another spec (e.g. "torch" on a GPU machine) to change it.
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  step "torch (${REINFORGE_TORCH:-torch==2.13.0})"
+  .venv/bin/pip install -q "${REINFORGE_TORCH:-torch==2.13.0}"
+fi
+
+step "reinforge and its dependencies"
+.venv/bin/pip install -q -e '.[test]'
+.venv/bin/reinforge --help >/dev/null
+echo "bootstrap: ready (.venv/bin/reinforge)"
