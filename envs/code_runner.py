@@ -1,0 +1,172 @@
+"""Where the code and terminal domains run their jobs: the Podman sandbox pool, or (tests
+of the harness logic, trusted inputs only) a plain local process.
+
+    class CodeRunner(Protocol):
+        async def run(self, *, files, argv, stdin, timeout_s) -> RunOutput
+            # raises RunnerInfraError when the infrastructure (not the candidate) failed
+
+`PoolRunner` wraps reinforge.envs.sandbox_pool.SandboxPool: open it with
+`async with sandbox_runner(PoolConfig(...)) as runner:`. `UnsafeLocalRunner` runs the
+same job in a temporary directory on the host, WITHOUT isolation: never give it
+untrusted code; it exists so the harness's anti-gaming logic is tested on every
+machine, and the same tests run against the real sandbox under the `podman` marker.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Literal, Protocol
+
+import msgspec
+
+RunStatus = Literal[
+    "ok", "nonzero_exit", "timeout", "memory_limit", "output_limit", "input_too_large"
+]
+
+
+class RunOutput(msgspec.Struct, frozen=True, kw_only=True):
+    """What a job did (the candidate's side of things; infrastructure faults raise)."""
+
+    status: RunStatus
+    exit_code: int | None
+    stdout: bytes
+    stderr: bytes
+    duration_s: float
+    detail: str = ""
+
+
+class RunnerInfraError(RuntimeError):
+    """The runner's infrastructure failed (sandbox/Podman down): never the candidate's fault."""
+
+
+class CodeRunner(Protocol):
+    name: str
+
+    async def run(
+        self, *, files: Mapping[str, bytes | str], argv: list[str], stdin: bytes, timeout_s: float
+    ) -> RunOutput: ...
+
+
+class PoolRunner:
+    """Jobs on a SandboxPool (rootless Podman)."""
+
+    name = "podman"
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+
+    async def run(
+        self, *, files: Mapping[str, bytes | str], argv: list[str], stdin: bytes, timeout_s: float
+    ) -> RunOutput:
+        from reinforge.envs.sandbox_pool import InfraFailure, Job
+
+        job = Job(files=dict(files), argv=list(argv), stdin=stdin, timeout_s=timeout_s)
+        result = await self.pool.run(job)
+        if isinstance(result, InfraFailure):
+            raise RunnerInfraError(
+                f"sandbox failed after {result.attempts} attempts: {result.error}"
+            )
+        return RunOutput(
+            status=result.status.value,
+            exit_code=result.exit_code,
+            stdout=result.stdout,
+            stderr=result.stderr,
+            duration_s=result.duration_s,
+            detail=result.detail,
+        )
+
+    def statistics(self):
+        return self.pool.statistics()
+
+
+@asynccontextmanager
+async def sandbox_runner(config=None) -> AsyncIterator[PoolRunner]:
+    """Open a SandboxPool (PoolConfig `config`) and yield a runner over it.
+
+    Raises RunnerInfraError when Podman is not reachable.
+    """
+    from reinforge.envs.sandbox import SandboxInfraError
+    from reinforge.envs.sandbox_pool import SandboxPool
+
+    try:
+        pool = SandboxPool(config)
+        await pool.__aenter__()
+    except SandboxInfraError as exc:
+        raise RunnerInfraError(str(exc)) from exc
+    try:
+        yield PoolRunner(pool)
+    finally:
+        await pool.aclose()
+
+
+class UnsafeLocalRunner:
+    """Runs the job as a local process in a temp dir. NO ISOLATION: trusted inputs only."""
+
+    name = "unsafe-local"
+
+    def __init__(self, *, python: str | None = None, max_output_bytes: int = 64 * 1024):
+        self.python = python or sys.executable
+        self.max_output_bytes = max_output_bytes
+
+    async def run(
+        self, *, files: Mapping[str, bytes | str], argv: list[str], stdin: bytes, timeout_s: float
+    ) -> RunOutput:
+        import trio
+
+        return await trio.to_thread.run_sync(
+            self._run, dict(files), list(argv), stdin, timeout_s, abandon_on_cancel=True
+        )
+
+    def _run(self, files, argv, stdin, timeout_s) -> RunOutput:
+        work = tempfile.mkdtemp(prefix="rf-local-")
+        try:
+            for name, content in files.items():
+                path = os.path.join(work, name)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "wb") as fh:
+                    fh.write(content.encode() if isinstance(content, str) else content)
+            if argv and argv[0] in ("python3", "python"):
+                argv = [self.python, *argv[1:]]
+            env = {
+                "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                "HOME": work,
+                "LANG": "C.UTF-8",
+                "PYTHONDONTWRITEBYTECODE": "1",
+            }
+            t0 = time.monotonic()
+            proc = subprocess.Popen(
+                argv,
+                cwd=work,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+                start_new_session=True,
+            )
+            try:
+                out, err = proc.communicate(stdin, timeout=timeout_s)
+                status = "ok" if proc.returncode == 0 else "nonzero_exit"
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                out, err = proc.communicate()
+                status = "timeout"
+            try:  # leave nothing behind in the session
+                os.killpg(proc.pid, 9)
+            except OSError:
+                pass
+            return RunOutput(
+                status=status,
+                exit_code=proc.returncode,
+                stdout=out[: self.max_output_bytes],
+                stderr=err[: self.max_output_bytes],
+                duration_s=time.monotonic() - t0,
+            )
+        finally:
+            shutil.rmtree(work, ignore_errors=True)

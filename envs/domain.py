@@ -1,0 +1,310 @@
+"""The task-domain interface: tasks, verdicts, the `Domain` protocol and the registry.
+
+A domain is one kind of verifiable task. It can
+
+- sample a task, seeded, at a difficulty tier (`sample_task(rng, tier)`), with a
+  known-good reference completion so SFT demonstrations can be made from it;
+- read users' own tasks from a JSONL file (`load_tasks(path)`), refusing a
+  malformed line with its line number;
+- build the prompt (`prompt(task)`);
+- verify a completion into a `Verdict` (`await verify(task, completion)`), a
+  reward in [0, 1] with per-check details and a reason. `verify` never raises
+  for the candidate's mistakes; infrastructure faults (sandbox or judge
+  unreachable) come back as `outcome="infra_error"`, never as a reward of 0
+  that would look like a real one.
+
+Multi-turn domains also implement `start_episode(task)`, returning an
+`Episode` whose `step(action)` answers `(observation, done)` and whose
+`finish()` gives the verdict.
+
+Wire format: `TaskSpec` and `Verdict` travel in NATS messages (msgpack). The
+domain-specific part of a task is `TaskSpec.spec`, a plain mapping that each
+domain converts to its own typed Struct (`msgspec.convert`). Evolve these
+Structs by msgspec's schema-evolution rules: new fields go last with defaults,
+no field is renamed or retyped.
+
+Concurrency: each domain names the scarce `resource` its verification uses
+("cpu", "sandbox", "judge"); the verifier actor bounds concurrency per
+resource with `ResourceLimits`.
+
+Invariant: no module-level mutable state. The registry is an object.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import random
+from collections.abc import Iterable, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import msgspec
+
+Outcome = Literal["pass", "fail", "timeout", "error", "infra_error"]
+"""The bus's outcome enum. `infra_error` is only for infrastructure faults."""
+
+OUTCOMES: tuple[str, ...] = ("pass", "fail", "timeout", "error", "infra_error")
+
+TaskSource = Literal["generated", "jsonl"]
+
+ENTRY_POINT_GROUP = "reinforge.envs"
+
+
+class Check(msgspec.Struct, frozen=True, kw_only=True):
+    """One named check inside a verification."""
+
+    name: str
+    """What was checked, e.g. `answer_matches` or `field:revenue_2023`."""
+    passed: bool
+    detail: str = ""
+    """Human-readable evidence: expected vs got, the failing assertion, ..."""
+
+
+class Verdict(msgspec.Struct, frozen=True, kw_only=True):
+    """The result of verifying one completion."""
+
+    reward: float
+    """In [0, 1]."""
+    outcome: Outcome
+    checks: list[Check] = []
+    reason: str = ""
+    """One line: why this reward."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.reward <= 1.0:
+            raise ValueError(f"Verdict.reward must be in [0, 1], got {self.reward!r}")
+        if self.outcome not in OUTCOMES:
+            raise ValueError(f"Verdict.outcome must be one of {OUTCOMES}, got {self.outcome!r}")
+        if self.outcome == "infra_error" and self.reward != 0.0:
+            raise ValueError("an infra_error verdict carries no reward (0.0)")
+
+
+def infra_error(reason: str, checks: Iterable[Check] = ()) -> Verdict:
+    """A verdict for an infrastructure fault: not the candidate's doing."""
+    return Verdict(reward=0.0, outcome="infra_error", checks=list(checks), reason=reason)
+
+
+class Tier(msgspec.Struct, frozen=True, kw_only=True):
+    """One difficulty tier of a domain's generator; tiers are ordered from 0 (easiest)."""
+
+    level: int
+    name: str
+    description: str
+
+
+class TaskSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """One task, as it travels on the bus."""
+
+    task_id: str
+    domain: str
+    tier: int
+    """Difficulty tier; tasks loaded from JSONL carry the tier the file gives, else 0."""
+    prompt: str
+    """The full prompt shown to the policy."""
+    spec: dict[str, Any]
+    """Domain-specific, msgpack-serialisable; the domain converts it to its own Struct."""
+    reference: str | None = None
+    """A known-good completion (for SFT demonstrations and self-tests), when known."""
+    source: TaskSource = "generated"
+
+
+@runtime_checkable
+class Episode(Protocol):
+    """A live multi-turn episode (terminal-style domains)."""
+
+    async def step(self, action: str) -> tuple[str, bool]:
+        """Apply one action; return (observation, done)."""
+        ...
+
+    async def finish(self) -> Verdict:
+        """Check the final state and release resources. Safe to call once."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release resources without verifying (idempotent)."""
+        ...
+
+
+@runtime_checkable
+class Domain(Protocol):
+    """What every task domain provides."""
+
+    name: str
+    description: str
+    tiers: tuple[Tier, ...]
+    resource: str
+    """The scarce resource verification uses: "cpu", "sandbox" or "judge"."""
+    multi_turn: bool
+
+    def sample_task(self, rng: random.Random, tier: int) -> TaskSpec: ...
+
+    def load_tasks(self, path: str | Path) -> list[TaskSpec]: ...
+
+    def task_from_row(self, row: Mapping[str, Any], *, where: str) -> TaskSpec:
+        """Build a task from one decoded JSONL row; `where` ("FILE:LINE") goes in errors."""
+        ...
+
+    def prompt(self, task: TaskSpec) -> str: ...
+
+    async def verify(self, task: TaskSpec, completion: str) -> Verdict: ...
+
+
+def check_tier(domain: Domain, tier: int) -> None:
+    """Raise ValueError unless `tier` is one of the domain's tiers."""
+    if not 0 <= tier < len(domain.tiers):
+        raise ValueError(
+            f"domain {domain.name!r} has tiers 0..{len(domain.tiers) - 1}, got tier {tier}"
+        )
+
+
+def describe(domain: Domain) -> dict[str, Any]:
+    """A JSON-ready description of a domain (for `reinforge envs list --json`)."""
+    return {
+        "name": domain.name,
+        "description": domain.description,
+        "resource": domain.resource,
+        "multi_turn": domain.multi_turn,
+        "tiers": [msgspec.to_builtins(t) for t in domain.tiers],
+    }
+
+
+class ResourceLimits:
+    """Bounded verification concurrency per resource, for trio callers.
+
+    `async with limits.hold(domain.resource): verdict = await domain.verify(...)`.
+    A resource not configured gets `default_limit`.
+    """
+
+    def __init__(self, limits: Mapping[str, int] | None = None, *, default_limit: int = 4):
+        import trio
+
+        if default_limit < 1:
+            raise ValueError(f"default_limit must be >= 1, got {default_limit}")
+        self._trio = trio
+        self._default_limit = default_limit
+        self._limiters: dict[str, Any] = {}
+        for name, n in (limits or {}).items():
+            if n < 1:
+                raise ValueError(f"limit for resource {name!r} must be >= 1, got {n}")
+            self._limiters[name] = trio.CapacityLimiter(n)
+
+    def limiter(self, resource: str):
+        if resource not in self._limiters:
+            self._limiters[resource] = self._trio.CapacityLimiter(self._default_limit)
+        return self._limiters[resource]
+
+    @asynccontextmanager
+    async def hold(self, resource: str):
+        async with self.limiter(resource):
+            yield
+
+    def statistics(self) -> dict[str, dict[str, int]]:
+        out = {}
+        for name, lim in self._limiters.items():
+            s = lim.statistics()
+            out[name] = {
+                "borrowed": s.borrowed_tokens,
+                "total": int(s.total_tokens),
+                "waiting": s.tasks_waiting,
+            }
+        return out
+
+
+# Built-in domains, by import spec, imported lazily so `envs list` stays cheap.
+BUILTIN_DOMAINS: tuple[tuple[str, str], ...] = (
+    ("math", "reinforge.envs.math_domain:MathDomain"),
+    ("code", "reinforge.envs.code_domain:CodeDomain"),
+    ("docqa", "reinforge.envs.docqa_domain:DocQADomain"),
+    ("terminal", "reinforge.envs.terminal_domain:TerminalDomain"),
+    ("judge", "reinforge.envs.judge_domain:JudgeDomain"),
+)
+
+
+def load_object(spec: str) -> Any:
+    """Import `MODULE:ATTR` (ATTR may be dotted)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"expected MODULE:CLASS, got {spec!r}")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(
+                f"{spec!r}: module {module_name!r} has no attribute {attr!r}"
+            ) from None
+    return obj
+
+
+def _build(obj: Any) -> Any:
+    """A class or factory function is called with no arguments; an instance is kept."""
+    if isinstance(obj, type) or (callable(obj) and not isinstance(obj, Domain)):
+        return obj()
+    return obj
+
+
+class DomainRegistry:
+    """Named domains: the built-ins, the `reinforge.envs` entry points, explicit specs.
+
+    Factories are kept until a domain is first asked for, so listing names imports nothing.
+    A factory is a zero-argument callable (usually the domain class) or a ready instance.
+    """
+
+    def __init__(self) -> None:
+        self._factories: dict[str, Any] = {}
+        self._instances: dict[str, Domain] = {}
+
+    @classmethod
+    def default(cls, extra_specs: Iterable[str] = (), *, entry_points: bool = True):
+        """Built-ins, then entry points (which may override), then `NAME=MODULE:CLASS` specs."""
+        reg = cls()
+        for name, spec in BUILTIN_DOMAINS:
+            reg.add_spec(name, spec)
+        if entry_points:
+            for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+                reg.add_spec(ep.name, ep.value)
+        for item in extra_specs:
+            reg.attach_spec(item)
+        return reg
+
+    def add_spec(self, name: str, spec: str) -> None:
+        self._factories[name] = spec
+        self._instances.pop(name, None)
+
+    def attach_spec(self, item: str) -> str:
+        """Attach `NAME=MODULE:CLASS` or `MODULE:CLASS` (the name is then the class's `name`)."""
+        name, eq, spec = item.partition("=")
+        if not eq:
+            spec, name = item, ""
+        domain = _build(load_object(spec))
+        if not isinstance(domain, Domain):
+            raise TypeError(f"{spec!r} does not build a Domain (protocol attributes missing)")
+        name = name or domain.name
+        self.attach(domain, name=name)
+        return name
+
+    def attach(self, domain: Domain, *, name: str | None = None) -> None:
+        """Attach a ready domain instance at runtime."""
+        name = name or domain.name
+        self._factories[name] = domain
+        self._instances[name] = domain
+
+    def names(self) -> list[str]:
+        return sorted(self._factories)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._factories
+
+    def get(self, name: str) -> Domain:
+        if name in self._instances:
+            return self._instances[name]
+        if name not in self._factories:
+            raise KeyError(f"no domain named {name!r}; known: {', '.join(self.names())}")
+        factory = self._factories[name]
+        domain = _build(load_object(factory) if isinstance(factory, str) else factory)
+        if not isinstance(domain, Domain):
+            raise TypeError(f"domain {name!r} ({factory!r}) does not satisfy the Domain protocol")
+        self._instances[name] = domain
+        return domain

@@ -1,0 +1,410 @@
+"""Terminal: multi-turn tasks in a sandboxed shell; the final state is checked.
+
+The policy issues shell commands one at a time and sees each one's output; when it
+says `exit` (or runs out of turns) the final state is checked: files created with
+the right content, files moved or deleted, unit tests passing after a fix. The checks
+are hidden: they travel to `terminal_driver.py` on its stdin and live only in its
+(non-dumpable) memory; test files the agent can see may be edited freely, the
+hidden copy is what runs.
+
+Episodes are replayed, not kept alive: every step runs the commands so far in a
+fresh sandbox from the pool (the state is a pure function of the command list), so
+an episode holds no container between turns, a crash loses nothing, and `verify`
+of a finished transcript is the same code path. Commands whose output is
+nondeterministic (dates, random numbers) may show different output on replay.
+
+Completion format for `verify`: one command per line, each starting with `$ ` (lines
+without it are ignored if any line has it, e.g. echoed observations); `exit` ends.
+
+JSONL row schema (`TerminalRow`):
+
+    {"instruction": "Create hello.txt containing hello.",
+     "files": {"notes.txt": "..."},                 # optional, the starting directory
+     "checks": [{"kind": "file_equals", "path": "hello.txt", "content": "hello"},
+                {"kind": "file_exists" | "file_absent", "path": "..."},
+                {"kind": "python_tests", "path": "calc.py", "entry_point": "add",
+                 "test": "def check(candidate): ..."}],
+     "max_turns": 8}                                # optional; also "task_id", "tier"
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import random
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+from reinforge.envs.code_runner import CodeRunner, RunnerInfraError
+from reinforge.envs.domain import Check, TaskSpec, Tier, Verdict, check_tier, infra_error
+from reinforge.envs.tasksets import decode_row, load_jsonl
+
+DRIVER_PATH = Path(__file__).with_name("terminal_driver.py")
+HARNESS_PATH = Path(__file__).with_name("code_harness.py")
+EXIT_WORDS = ("exit", "submit", "done", "logout")
+
+
+class StateCheck(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    kind: Literal["file_equals", "file_exists", "file_absent", "python_tests"]
+    path: str
+    content: str | None = None
+    entry_point: str | None = None
+    test: str | None = None
+    timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.path.startswith("/") or ".." in self.path.split("/") or not self.path:
+            raise ValueError(f"check path {self.path!r} must be relative, inside the task dir")
+        if self.kind == "file_equals" and self.content is None:
+            raise ValueError("a file_equals check needs `content`")
+        if self.kind == "python_tests" and (not self.entry_point or not self.test):
+            raise ValueError("a python_tests check needs `entry_point` and `test`")
+
+
+class TerminalSpec(msgspec.Struct, frozen=True, kw_only=True):
+    instruction: str
+    files: dict[str, str] = {}
+    checks: list[StateCheck]
+    max_turns: int = 8
+    command_timeout_s: float = 5.0
+
+
+class TerminalRow(msgspec.Struct, kw_only=True):
+    """One line of a user's terminal JSONL file (extra keys are ignored)."""
+
+    instruction: str
+    checks: list[StateCheck]
+    files: dict[str, str] = {}
+    max_turns: int = 8
+    task_id: str | None = None
+    tier: int = 0
+    reference: str | None = None
+
+
+class TerminalConfig(msgspec.Struct, frozen=True, kw_only=True):
+    command_timeout_s: float = 5.0
+    """Wall-clock limit of one agent command."""
+    overhead_s: float = 10.0
+    """Extra wall-clock per job for python start-up and the checks."""
+
+
+def parse_commands(completion: str, max_turns: int) -> list[str]:
+    """The commands of a transcript (see the module docstring), at most `max_turns`."""
+    lines = completion.splitlines()
+    marked = [ln[2:] for ln in lines if ln.startswith("$ ")]
+    commands = marked if marked else [ln for ln in lines if ln.strip()]
+    out = []
+    for cmd in commands:
+        if cmd.strip().lower() in EXIT_WORDS:
+            break
+        out.append(cmd)
+    return out[:max_turns]
+
+
+# ---------------------------------------------------------------- generator
+
+_NAMES = ("hello", "notes", "todo", "greeting", "result", "data", "report")
+_WORDS = ("hello", "apple", "ready", "blue", "seven", "done", "river")
+_BUGS = (  # (module, entry, buggy body, fixed body, sed fix, tests)
+    (
+        "calc.py",
+        "add",
+        "return a - b",
+        "return a + b",
+        "s/return a - b/return a + b/",
+        [((2, 3), 5), ((10, -4), 6), ((0, 0), 0), ((7, 8), 15)],
+    ),
+    (
+        "calc.py",
+        "multiply",
+        "return a + b",
+        "return a * b",
+        "s/return a + b/return a * b/",
+        [((2, 3), 6), ((4, 5), 20), ((0, 9), 0), ((-2, 3), -6)],
+    ),
+    (
+        "parity.py",
+        "is_even",
+        "return n % 2 == 1",
+        "return n % 2 == 0",
+        "s/== 1/== 0/",
+        [((2,), True), ((3,), False), ((0,), True), ((-7,), False)],
+    ),
+)
+
+
+def _sig(entry: str, n: int) -> str:
+    return ", ".join(["a", "b"][:n]) if n == 2 else "n"
+
+
+def generate(rng: random.Random, tier: int) -> tuple[TerminalSpec, str]:
+    """(spec, reference transcript) for a tier; pure given the rng state."""
+    if tier == 0:
+        name, word = rng.choice(_NAMES), rng.choice(_WORDS)
+        spec = TerminalSpec(
+            instruction=f"Create a file named {name}.txt containing the word {word}.",
+            checks=[StateCheck(kind="file_equals", path=f"{name}.txt", content=word)],
+            max_turns=4,
+        )
+        return spec, f"$ echo {word} > {name}.txt\n$ exit"
+    if tier == 1:
+        if rng.random() < 0.5:
+            d = rng.choice(("archive", "backup", "docs", "old"))
+            content = " ".join(rng.choice(_WORDS) for _ in range(4))
+            spec = TerminalSpec(
+                instruction=f"Make a directory named {d} and move notes.txt into it.",
+                files={"notes.txt": content + "\n"},
+                checks=[
+                    StateCheck(kind="file_equals", path=f"{d}/notes.txt", content=content),
+                    StateCheck(kind="file_absent", path="notes.txt"),
+                ],
+                max_turns=6,
+            )
+            return spec, f"$ mkdir {d}\n$ mv notes.txt {d}/\n$ exit"
+        k = rng.randint(2, 9)
+        log = "".join(f"event {rng.randint(100, 999)}\n" for _ in range(k))
+        spec = TerminalSpec(
+            instruction="Write the number of lines in log.txt into count.txt.",
+            files={"log.txt": log},
+            checks=[StateCheck(kind="file_equals", path="count.txt", content=str(k))],
+            max_turns=6,
+        )
+        return spec, "$ wc -l < log.txt > count.txt\n$ exit"
+    if tier == 2:
+        module, entry, buggy, _, sed, cases = rng.choice(_BUGS)
+        n = len(cases[0][0])
+        args = _sig(entry, n)
+        src = f"def {entry}({args}):\n    {buggy}\n"
+        visible = (
+            f"import unittest\nfrom {module[:-3]} import {entry}\n\n\n"
+            f"class Test(unittest.TestCase):\n    def test_it(self):\n"
+            f"        self.assertEqual({entry}(*{cases[0][0]!r}), {cases[0][1]!r})\n\n\n"
+            "if __name__ == '__main__':\n    unittest.main()\n"
+        )
+        hidden = "def check(candidate):\n" + "".join(
+            f"    assert candidate(*{a!r}) == {r!r}\n" for a, r in cases
+        )
+        spec = TerminalSpec(
+            instruction=f"{module} has a bug: fix it so that test_{module} passes.",
+            files={module: src, f"test_{module}": visible},
+            checks=[StateCheck(kind="python_tests", path=module, entry_point=entry, test=hidden)],
+            max_turns=8,
+        )
+        return spec, f"$ sed -i '{sed}' {module}\n$ python3 test_{module}\n$ exit"
+    if tier == 3:
+        nums = [rng.randint(-50, 200) for _ in range(rng.randint(3, 8))]
+        spec = TerminalSpec(
+            instruction="Write the sum of the numbers in numbers.txt (one per line) into "
+            "total.txt, then delete numbers.txt.",
+            files={"numbers.txt": "".join(f"{x}\n" for x in nums)},
+            checks=[
+                StateCheck(kind="file_equals", path="total.txt", content=str(sum(nums))),
+                StateCheck(kind="file_absent", path="numbers.txt"),
+            ],
+            max_turns=8,
+        )
+        return spec, (
+            "$ awk '{s += $1} END {print s}' numbers.txt > total.txt\n$ rm numbers.txt\n$ exit"
+        )
+    raise ValueError(f"terminal has tiers 0..3, got {tier}")
+
+
+def build_prompt(spec: TerminalSpec) -> str:
+    files = ", ".join(sorted(spec.files)) or "no files"
+    return (
+        f"Shell task. The directory has: {files}. {spec.instruction}\n"
+        "Reply with one shell command per line, each starting with '$ '; write '$ exit' "
+        "when done."
+    )
+
+
+class TerminalEpisode:
+    """A live episode: `step(command)` -> (observation, done); `finish()` -> Verdict."""
+
+    def __init__(self, domain: TerminalDomain, task: TaskSpec):
+        self.domain = domain
+        self.task = task
+        self.spec = msgspec.convert(task.spec, TerminalSpec)
+        self.commands: list[str] = []
+        self.done = False
+        self.verdict: Verdict | None = None
+
+    async def step(self, action: str) -> tuple[str, bool]:
+        if self.done:
+            raise RuntimeError("episode already done: call finish()")
+        cmd = action[2:] if action.startswith("$ ") else action
+        if cmd.strip().lower() in EXIT_WORDS:
+            self.done = True
+            return "", True
+        self.commands.append(cmd)
+        obs = await self.domain.run_steps(self.task, self.commands)
+        self.done = len(self.commands) >= self.spec.max_turns
+        return obs, self.done
+
+    async def finish(self) -> Verdict:
+        if self.verdict is None:
+            self.done = True
+            self.verdict = await self.domain.check(self.task, self.commands)
+        return self.verdict
+
+    async def aclose(self) -> None:
+        self.done = True
+
+
+class TerminalDomain:
+    """Shell tasks checked on the final state of the sandbox."""
+
+    name = "terminal"
+    description = "multi-turn shell tasks in the sandbox; the final file state is checked"
+    resource = "sandbox"
+    multi_turn = True
+    tiers = (
+        Tier(level=0, name="create-file", description="create one file with given content"),
+        Tier(level=1, name="move-or-count", description="mkdir + mv, or count lines into a file"),
+        Tier(level=2, name="fix-the-bug", description="fix a one-line bug so the tests pass"),
+        Tier(level=3, name="compute-and-clean", description="sum numbers to a file, delete input"),
+    )
+
+    def __init__(self, *, config: TerminalConfig | None = None, runner: CodeRunner | None = None):
+        self.config = config or TerminalConfig()
+        self.runner = runner
+        self._nonce_key = secrets.token_bytes(32)
+
+    def with_runner(self, runner: CodeRunner) -> TerminalDomain:
+        other = TerminalDomain(config=self.config, runner=runner)
+        other._nonce_key = self._nonce_key
+        return other
+
+    def sample_task(self, rng: random.Random, tier: int) -> TaskSpec:
+        check_tier(self, tier)
+        spec, reference = generate(rng, tier)
+        spec = msgspec.structs.replace(spec, command_timeout_s=self.config.command_timeout_s)
+        return TaskSpec(
+            task_id=f"terminal-t{tier}-{rng.getrandbits(48):012x}",
+            domain=self.name,
+            tier=tier,
+            prompt=build_prompt(spec),
+            spec=msgspec.to_builtins(spec),
+            reference=reference,
+            source="generated",
+        )
+
+    def task_from_row(self, row: Mapping[str, Any], *, where: str) -> TaskSpec:
+        r = decode_row(row, TerminalRow, where=where)
+        if not r.checks:
+            raise ValueError("`checks` must list at least one check")
+        if r.max_turns < 1:
+            raise ValueError(f"`max_turns` must be >= 1, got {r.max_turns}")
+        for name in r.files:
+            if name.startswith("/") or ".." in name.split("/"):
+                raise ValueError(f"file name {name!r} must be relative, inside the task dir")
+        spec = TerminalSpec(
+            instruction=r.instruction,
+            files=r.files,
+            checks=r.checks,
+            max_turns=r.max_turns,
+            command_timeout_s=self.config.command_timeout_s,
+        )
+        return TaskSpec(
+            task_id=r.task_id or f"terminal-{where.rsplit(':', 1)[-1]}",
+            domain=self.name,
+            tier=r.tier,
+            prompt=build_prompt(spec),
+            spec=msgspec.to_builtins(spec),
+            reference=r.reference,
+            source="jsonl",
+        )
+
+    def load_tasks(self, path: str | Path) -> list[TaskSpec]:
+        return load_jsonl(path, lambda row, where: self.task_from_row(row, where=where))
+
+    def prompt(self, task: TaskSpec) -> str:
+        return task.prompt
+
+    def start_episode(self, task: TaskSpec) -> TerminalEpisode:
+        return TerminalEpisode(self, task)
+
+    async def verify(self, task: TaskSpec, completion: str) -> Verdict:
+        spec = msgspec.convert(task.spec, TerminalSpec)
+        return await self.check(task, parse_commands(completion, spec.max_turns))
+
+    # -- jobs --------------------------------------------------------------------------
+
+    def _job(self, spec: TerminalSpec, commands: list[str], mode: str) -> tuple[str, bytes]:
+        body = {
+            "files": spec.files,
+            "commands": commands,
+            "mode": mode,
+            "command_timeout_s": spec.command_timeout_s,
+            "checks": [msgspec.to_builtins(c) for c in spec.checks] if mode == "final" else [],
+            "sandboxed": getattr(self.runner, "name", "") == "podman",
+        }
+        payload = json.dumps(body, sort_keys=True)
+        nonce = hmac.new(self._nonce_key, payload.encode(), hashlib.sha256).hexdigest()[:32]
+        return nonce, json.dumps({**body, "nonce": nonce}).encode()
+
+    async def _run(self, spec: TerminalSpec, commands: list[str], mode: str):
+        if self.runner is None:
+            raise RunnerInfraError(
+                "no sandbox attached to the terminal domain: use "
+                "`async with sandbox_runner() as r: domain.with_runner(r)`"
+            )
+        nonce, stdin = self._job(spec, commands, mode)
+        budget = spec.command_timeout_s * max(1, len(commands)) + self.config.overhead_s
+        budget += sum(c.timeout_s for c in spec.checks) if mode == "final" else 0.0
+        out = await self.runner.run(
+            files={
+                "terminal_driver.py": DRIVER_PATH.read_bytes(),
+                "code_harness.py": HARNESS_PATH.read_bytes(),
+            },
+            argv=["python3", "-I", "-B", "terminal_driver.py"],
+            stdin=stdin,
+            timeout_s=budget,
+        )
+        for line in out.stdout.decode("utf-8", errors="replace").splitlines():
+            if line.startswith(nonce + " "):
+                try:
+                    return json.loads(line[len(nonce) + 1 :]), out
+                except ValueError:
+                    break
+        return None, out
+
+    async def run_steps(self, task: TaskSpec, commands: list[str]) -> str:
+        """Replay `commands`; the last one's observation (exit status and output)."""
+        spec = msgspec.convert(task.spec, TerminalSpec)
+        try:
+            result, out = await self._run(spec, commands, "steps")
+        except RunnerInfraError as exc:
+            return f"[sandbox unavailable: {exc}]"
+        if result is None:
+            return f"[the shell session ended ({out.status})]"
+        last = result["observations"][-1]
+        code = "timeout" if last["exit"] is None else last["exit"]
+        return f"{last['output']}[exit {code}]"
+
+    async def check(self, task: TaskSpec, commands: list[str]) -> Verdict:
+        spec = msgspec.convert(task.spec, TerminalSpec)
+        try:
+            result, out = await self._run(spec, commands, "final")
+        except RunnerInfraError as exc:
+            return infra_error(str(exc))
+        if result is None:
+            outcome = "timeout" if out.status == "timeout" else "error"
+            return Verdict(
+                reward=0.0,
+                outcome=outcome,
+                reason=f"the driver gave no verdict (status {out.status})",
+                checks=[Check(name="verdict", passed=False, detail=out.detail)],
+            )
+        checks = [Check(name=str(n), passed=bool(p), detail=str(d)) for n, p, d in result["checks"]]
+        ok = result["status"] == "pass"
+        return Verdict(
+            reward=1.0 if ok else 0.0,
+            outcome="pass" if ok else "fail",
+            checks=[Check(name="commands", passed=True, detail=f"{len(commands)} run"), *checks],
+            reason=result["reason"],
+        )

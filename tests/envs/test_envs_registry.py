@@ -1,0 +1,169 @@
+"""The domain interface and registry: built-ins, runtime attachment, wire format, limits."""
+
+import random
+
+import msgspec
+import pytest
+import trio
+import trio.testing
+from reinforge.envs.domain import (
+    BUILTIN_DOMAINS,
+    Check,
+    Domain,
+    DomainRegistry,
+    ResourceLimits,
+    TaskSpec,
+    Tier,
+    Verdict,
+    describe,
+)
+
+
+class EchoDomain:
+    """A minimal third-party domain: the answer is the prompt itself."""
+
+    name = "echo"
+    description = "repeat the prompt"
+    resource = "cpu"
+    multi_turn = False
+    tiers = (Tier(level=0, name="word", description="one word"),)
+
+    def sample_task(self, rng, tier):
+        word = rng.choice(["a", "b"])
+        return TaskSpec(
+            task_id=word, domain="echo", tier=tier, prompt=word, spec={"w": word}, reference=word
+        )
+
+    def load_tasks(self, path):
+        return []
+
+    def task_from_row(self, row, *, where):
+        return TaskSpec(task_id="x", domain="echo", tier=0, prompt=row["w"], spec=row)
+
+    def prompt(self, task):
+        return task.prompt
+
+    async def verify(self, task, completion):
+        ok = completion == task.spec["w"]
+        return Verdict(reward=float(ok), outcome="pass" if ok else "fail", reason="")
+
+
+def test_the_default_registry_has_the_five_builtin_domains_with_tiers():
+    reg = DomainRegistry.default(entry_points=False)
+    assert {"math", "code", "docqa", "terminal", "judge"} <= set(reg.names())
+    for name, _ in BUILTIN_DOMAINS:
+        domain = reg.get(name)
+        assert isinstance(domain, Domain)
+        assert [t.level for t in domain.tiers] == list(range(len(domain.tiers)))
+        assert len(domain.tiers) >= 4
+        assert describe(domain)["tiers"][0]["level"] == 0
+
+
+@pytest.mark.parametrize("name", [n for n, _ in BUILTIN_DOMAINS])
+def test_every_generated_task_survives_the_msgpack_round_trip(name):
+    domain = DomainRegistry.default(entry_points=False).get(name)
+    for tier in range(len(domain.tiers)):
+        task = domain.sample_task(random.Random(tier), tier)
+        wire = msgspec.msgpack.encode(task)
+        assert msgspec.msgpack.decode(wire, type=TaskSpec) == task
+        assert task.domain == name and task.tier == tier and task.reference
+
+
+@pytest.mark.parametrize("name", [n for n, _ in BUILTIN_DOMAINS])
+def test_tier_zero_prompts_and_references_are_short(name):
+    domain = DomainRegistry.default(entry_points=False).get(name)
+    for seed in range(10):
+        task = domain.sample_task(random.Random(seed), 0)
+        assert len(task.prompt.split()) <= 60, task.prompt
+        assert len(task.reference.split()) <= 12, task.reference
+
+
+def test_domains_attach_at_runtime_by_instance_or_spec():
+    reg = DomainRegistry.default(entry_points=False)
+    reg.attach(EchoDomain())
+    assert reg.get("echo").name == "echo"
+    reg2 = DomainRegistry()
+    assert reg2.attach_spec(f"{__name__}:EchoDomain") == "echo"
+    assert reg2.attach_spec(f"other={__name__}:EchoDomain") == "other"
+    assert reg2.names() == ["echo", "other"]
+    v = trio.run(
+        reg2.get("other").verify,
+        TaskSpec(task_id="t", domain="echo", tier=0, prompt="a", spec={"w": "a"}),
+        "a",
+    )
+    assert v.outcome == "pass"
+
+
+def test_bad_specs_and_unknown_names_say_what_is_wrong():
+    reg = DomainRegistry()
+    with pytest.raises(ValueError, match="expected MODULE:CLASS"):
+        reg.attach_spec("nonsense")
+    with pytest.raises(ValueError, match="has no attribute"):
+        reg.attach_spec("random:NoSuchThing")
+    with pytest.raises(TypeError, match="does not build a Domain"):
+        reg.attach_spec("random:Random")
+    with pytest.raises(KeyError, match="no domain named 'nope'"):
+        reg.get("nope")
+
+
+def test_registries_share_no_state():
+    a, b = DomainRegistry(), DomainRegistry()
+    a.attach(EchoDomain())
+    assert "echo" in a and "echo" not in b
+
+
+def test_verdicts_refuse_rewards_outside_the_unit_interval_and_unknown_outcomes():
+    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
+        Verdict(reward=1.5, outcome="pass")
+    with pytest.raises(ValueError, match="outcome must be one of"):
+        Verdict(reward=0.0, outcome="crashed")
+    with pytest.raises(ValueError, match="infra_error verdict carries no reward"):
+        Verdict(reward=1.0, outcome="infra_error")
+    v = Verdict(reward=0.5, outcome="fail", checks=[Check(name="a", passed=True)], reason="r")
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(v), type=Verdict) == v
+
+
+def test_unknown_tiers_are_refused_by_every_domain():
+    reg = DomainRegistry.default(entry_points=False)
+    for name, _ in BUILTIN_DOMAINS:
+        domain = reg.get(name)
+        with pytest.raises(ValueError, match="tier"):
+            domain.sample_task(random.Random(0), len(domain.tiers))
+
+
+def test_resource_limits_bound_concurrency_per_resource():
+    limits = ResourceLimits({"sandbox": 2}, default_limit=1)
+    peak = {"sandbox": 0, "judge": 0}
+    live = {"sandbox": 0, "judge": 0}
+
+    async def work(resource):
+        async with limits.hold(resource):
+            live[resource] += 1
+            peak[resource] = max(peak[resource], live[resource])
+            await trio.sleep(1)
+            live[resource] -= 1
+
+    async def main():
+        async with trio.open_nursery() as n:
+            for _ in range(5):
+                n.start_soon(work, "sandbox")
+                n.start_soon(work, "judge")
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert peak == {"sandbox": 2, "judge": 1}
+    assert limits.statistics()["sandbox"]["total"] == 2
+
+
+def test_entry_points_in_the_reinforge_envs_group_are_registered(monkeypatch):
+    import importlib.metadata
+
+    ep = importlib.metadata.EntryPoint(
+        name="echo", value=f"{__name__}:EchoDomain", group="reinforge.envs"
+    )
+
+    def fake_entry_points(*, group):
+        return [ep] if group == "reinforge.envs" else []
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", fake_entry_points)
+    reg = DomainRegistry.default()
+    assert "echo" in reg.names() and reg.get("echo").description == "repeat the prompt"

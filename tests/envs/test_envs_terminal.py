@@ -1,0 +1,152 @@
+"""The terminal domain: reference transcripts pass, the final state is what counts, and
+hidden checks can't be edited, printed past or outlived — local runner and, marked
+`podman`, the real sandbox."""
+
+import json
+import random
+
+import pytest
+import trio
+from reinforge.envs.tasksets import TaskFileError
+from reinforge.envs.terminal_domain import TerminalDomain, parse_commands
+
+FIX_ROW = {
+    "instruction": "calc.py has a bug: fix it so that test_calc.py passes.",
+    "files": {
+        "calc.py": "def add(a, b):\n    return a - b\n",
+        "test_calc.py": "from calc import add\nassert add(2, 3) == 5\nprint('ok')\n",
+    },
+    "checks": [
+        {
+            "kind": "python_tests",
+            "path": "calc.py",
+            "entry_point": "add",
+            "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n"
+            "    assert candidate(10, -4) == 6\n",
+        }
+    ],
+}
+FIXED = "$ sed -i 's/a - b/a + b/' calc.py\n$ python3 test_calc.py\n$ exit"
+
+
+def run(with_runner, fn):
+    async def main():
+        async with with_runner() as runner:
+            return await fn(TerminalDomain().with_runner(runner))
+
+    return trio.run(main)
+
+
+def test_reference_transcripts_pass_on_every_tier(with_runner):
+    d0 = TerminalDomain()
+    tasks = [d0.sample_task(random.Random(s), tier) for tier in range(4) for s in range(2)]
+
+    async def go(d):
+        return [await d.verify(t, t.reference) for t in tasks]
+
+    for task, v in zip(tasks, run(with_runner, go)):
+        assert (v.reward, v.outcome) == (1.0, "pass"), (task.prompt, task.reference, v)
+
+
+def test_an_episode_steps_through_commands_and_checks_the_final_state(with_runner):
+    task = TerminalDomain().task_from_row(FIX_ROW, where="t:1")
+
+    async def go(d):
+        ep = d.start_episode(task)
+        first = await ep.step("$ cat calc.py")
+        second = await ep.step("$ sed -i 's/a - b/a + b/' calc.py")
+        third = await ep.step("$ python3 test_calc.py")
+        last = await ep.step("$ exit")
+        return first, second, third, last, await ep.finish()
+
+    first, second, third, last, verdict = run(with_runner, go)
+    assert first == ("def add(a, b):\n    return a - b\n[exit 0]", False)
+    assert second == ("[exit 0]", False)
+    assert third == ("ok\n[exit 0]", False)
+    assert last == ("", True)
+    assert (verdict.reward, verdict.outcome) == (1.0, "pass")
+
+
+CHEATS = {
+    "does nothing": "$ exit",
+    "edits the visible tests instead of the code": "$ echo 'print(\"ok\")' > test_calc.py\n"
+    "$ python3 test_calc.py",
+    "prints a pass": "$ echo PASS; echo 'all checks passed'; echo '{\"status\": \"pass\"}'",
+    "makes the module exit 0 on import": "$ printf 'import os\\nos._exit(0)\\n' > calc.py",
+    "returns an object equal to everything": (
+        "$ printf 'class A:\\n    def __eq__(s, o):\\n        return True\\n"
+        "def add(a, b):\\n    return A()\\n' > calc.py"
+    ),
+    "hunts for the hidden checks": "$ grep -rs 'candidate(' / > found.txt; cat found.txt",
+}
+
+
+@pytest.mark.slow
+def test_cheating_transcripts_score_zero(with_runner):
+    task = TerminalDomain().task_from_row(FIX_ROW, where="t:1")
+
+    async def go(d):
+        return [await d.verify(task, c) for c in CHEATS.values()]
+
+    for name, v in zip(CHEATS, run(with_runner, go)):
+        assert v.reward == 0.0 and v.outcome == "fail", (name, v)
+
+
+@pytest.mark.podman
+def test_leftover_processes_are_gone_before_the_checks_in_the_sandbox(sandbox_runner_only):
+    # A detached helper creates late.txt 1 s after the commands end; the first check takes
+    # 1.5 s, so the second would see late.txt if the helper had survived.
+    row = {
+        "instruction": "leave nothing running",
+        "files": {"m.py": "def f():\n    return 1\n"},
+        "checks": [
+            {
+                "kind": "python_tests",
+                "path": "m.py",
+                "entry_point": "f",
+                "test": "def check(candidate):\n    import time\n    time.sleep(1.5)\n"
+                "    assert candidate() == 1\n",
+            },
+            {"kind": "file_absent", "path": "late.txt"},
+        ],
+    }
+    task = TerminalDomain().task_from_row(row, where="t:1")
+    helper = "$ setsid sh -c 'sleep 1; echo x > late.txt' > /dev/null 2>&1 < /dev/null &"
+
+    async def go(d):
+        return await d.verify(task, helper + "\n$ sleep 0.1")
+
+    v = run(sandbox_runner_only, go)
+    assert (v.reward, v.outcome) == (1.0, "pass"), v
+
+
+def test_parse_commands_reads_dollar_lines_and_stops_at_exit():
+    transcript = "$ ls\nfile.txt\n$ cat file.txt\nhello\n$ exit\n$ rm -rf x"
+    assert parse_commands(transcript, 8) == ["ls", "cat file.txt"]
+    assert parse_commands("ls\npwd\n", 8) == ["ls", "pwd"]
+    assert parse_commands("$ a\n$ b\n$ c", 2) == ["a", "b"]
+
+
+def test_no_runner_is_an_infra_error():
+    task = TerminalDomain().task_from_row(FIX_ROW, where="t:1")
+    assert trio.run(TerminalDomain().verify, task, FIXED).outcome == "infra_error"
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"instruction": "x", "checks": []}, "at least one check"),
+        (
+            {"instruction": "x", "checks": [{"kind": "file_exists", "path": "/etc/passwd"}]},
+            "must be relative",
+        ),
+        ({"instruction": "x", "checks": [{"kind": "file_equals", "path": "a"}]}, "needs `content`"),
+        ({"instruction": "x", "checks": [{"kind": "teleport", "path": "a"}]}, "kind"),
+        ({"checks": [{"kind": "file_exists", "path": "a"}]}, "instruction"),
+    ],
+)
+def test_malformed_rows_are_refused_with_their_line_number(tmp_path, row, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(FIX_ROW) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(TaskFileError, match=f"bad.jsonl:2: .*{message}"):
+        TerminalDomain().load_tasks(path)
