@@ -50,6 +50,9 @@ from reinforge.core.messages import (
 from reinforge.core.natsd import NatsCredentials
 
 
+ORIGIN_HEADER = "Rf-Actor-Type"
+
+
 class Retry(Exception):
     """Raised by a handler: not now, redeliver after `delay_s` (not a failure of the message)."""
 
@@ -169,6 +172,8 @@ class ActorContext:
         self._next_wait = 0
         self.stop_requested = trio.Event()
         self.state = "starting"
+        # Stored with every durable publish, so `replay` knows which actor type wrote what.
+        self._origin = {ORIGIN_HEADER: actor_type, "Rf-Actor-Id": actor_id}
 
     async def publish(self, subject: str, msg: Any) -> None:
         await self.bus.publish(subject, msg)
@@ -176,7 +181,7 @@ class ActorContext:
 
     async def publish_durable(self, subject: str, msg: Any, msg_id: str) -> None:
         with self.waiting(f"ack from the bus for {subject}", deadline_s=120):
-            await self.bus.publish_durable(subject, msg, msg_id)
+            await self.bus.publish_durable(subject, msg, msg_id, headers=self._origin)
         self.counts["msgs_out"] += 1
 
     async def dead_letter(

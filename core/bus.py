@@ -90,6 +90,7 @@ class _DurableRequest:
     subject: str
     data: bytes
     msg_id: str
+    headers: dict[str, str]
     done: trio.Event = field(default_factory=trio.Event)
     result: PubAck | None = None
     error: BaseException | None = None
@@ -191,17 +192,21 @@ class Bus:
 
     # -- durable (JetStream) publish ------------------------------------------------------
 
-    async def publish_durable(self, subject: str, msg: Any, msg_id: str) -> PubAck:
+    async def publish_durable(
+        self, subject: str, msg: Any, msg_id: str, headers: dict[str, str] | None = None
+    ) -> PubAck:
         """Store a message in the run's stream; return once the server acknowledged it.
 
         `msg_id` must be deterministic (a retry after a crash sends the same id), so the
         server drops duplicates within the stream's duplicate window. Retries with the
         same id until `publish_timeout_s`, then raises BusError: never silent loss.
         """
-        return await self.publish_durable_raw(subject, encode(msg), msg_id)
+        return await self.publish_durable_raw(subject, encode(msg), msg_id, headers)
 
-    async def publish_durable_raw(self, subject: str, data: bytes, msg_id: str) -> PubAck:
-        req = _DurableRequest(subject, data, msg_id)
+    async def publish_durable_raw(
+        self, subject: str, data: bytes, msg_id: str, headers: dict[str, str] | None = None
+    ) -> PubAck:
+        req = _DurableRequest(subject, data, msg_id, headers or {})
         self._durable.append(req)
         self._durable_wakeup.set()
         await req.done.wait()
@@ -242,7 +247,7 @@ class Bus:
                         req.subject,
                         req.data,
                         timeout=min(5.0, max(0.1, deadline - time.monotonic())),
-                        headers={"Nats-Msg-Id": req.msg_id},
+                        headers={**req.headers, "Nats-Msg-Id": req.msg_id},
                     )
                 )
             outcomes = await asyncio.gather(*futures, return_exceptions=True)
@@ -333,6 +338,23 @@ class Bus:
 
         await self.aio(ensure)()
         return name
+
+    async def last_message(self, stream: str, subject: str) -> Delivery | None:
+        """The newest stored message on `subject` (e.g. the latest weights), or None."""
+
+        async def get() -> Any:
+            try:
+                return await self._js.get_last_msg(stream, subject)
+            except nats.js.errors.NotFoundError:
+                return None
+
+        raw = await self.aio(get)()
+        if raw is None:
+            return None
+        return Delivery(
+            subject=raw.subject, data=raw.data or b"", headers=raw.headers,
+            stream_seq=raw.seq, num_delivered=0, timestamp=0.0, _msg=None,
+        )
 
     async def stream_info(self, stream: str) -> Any:
         return await self.aio(self._js.stream_info)(stream)

@@ -198,6 +198,25 @@ class Stop(_Msg, frozen=True, tag="stop/1"):
     actor_id: str = ""  # "" = every actor of the run
 
 
+class StatusQuery(_Msg, frozen=True, tag="status-query/1"):
+    """Ask a run's supervisor for its table of actors."""
+
+
+class ActorStatus(msgspec.Struct, frozen=True, kw_only=True):
+    heartbeat: Heartbeat
+    last_seen: float  # wall clock of the newest heartbeat
+    supervised: bool = False  # started by this run's supervisor (else joined from elsewhere)
+    restarts: int = 0
+    flags: list[str] = []  # watchdog findings, e.g. "no heartbeat for 9 s"
+
+
+class StatusReport(_Msg, frozen=True, tag="status/1"):
+    run: str
+    supervisor_pid: int
+    actors: list[ActorStatus] = []
+    alerts: list[str] = []
+
+
 Message = Union[
     Task,
     Rollout,
@@ -212,6 +231,8 @@ Message = Union[
     Announce,
     AttachRequest,
     Stop,
+    StatusQuery,
+    StatusReport,
 ]
 
 MESSAGE_TYPES: tuple[type, ...] = Message.__args__  # type: ignore[attr-defined]

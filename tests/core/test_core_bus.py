@@ -142,3 +142,19 @@ def test_a_nats_server_restart_mid_stream_loses_no_jetstream_message(tmp_path, r
                 assert info.state.messages == n_msgs  # and no duplicates were stored
 
         trio.run(main)
+
+
+def test_the_last_stored_message_on_a_subject_can_be_read_back(creds, run_name):
+    async def main():
+        async with open_bus(creds) as bus:
+            stream = await bus.ensure_run_stream(run_name)
+            assert await bus.last_message(stream, subjects.weights(run_name)) is None
+            for v in (1, 2, 3):
+                await bus.publish_durable(
+                    subjects.weights(run_name), m.WeightsPublished(version=v, path=f"/c/{v}"),
+                    f"w{v}",
+                )
+            last = await bus.last_message(stream, subjects.weights(run_name))
+            assert m.decode(last.data).version == 3
+
+    trio.run(main)

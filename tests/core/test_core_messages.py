@@ -25,6 +25,10 @@ def sample_messages() -> list:
         m.Announce(actor_id="a", actor_type="echo", host="h", pid=1, capabilities=["x"]),
         m.AttachRequest(spec="pkg.mod:Class", replicas=2),
         m.Stop(reason="done"),
+        m.StatusQuery(),
+        m.StatusReport(run="r", supervisor_pid=1, actors=[m.ActorStatus(
+            heartbeat=m.Heartbeat(actor_id="a", actor_type="echo", host="h", pid=1,
+                                  started_at=0.0), last_seen=1.0, flags=["late"])]),
     ]
 
 
