@@ -1,5 +1,117 @@
-"""Sub-commands of this package (placeholder: none yet)."""
+"""Sub-commands of the engine package: `reinforge model init` and `reinforge serve`."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
 
 
-def register(subparsers) -> None:
+def register(subparsers: Any) -> None:
     """Add this package's sub-commands to the `reinforge` parser."""
+    model = subparsers.add_parser("model", help="model utilities (init the tiny CPU policy)")
+    model_sub = model.add_subparsers(dest="model_command", metavar="ACTION")
+    init = model_sub.add_parser(
+        "init", help="write a tiny Qwen2-architecture policy + tokenizer (HF format)"
+    )
+    init.add_argument(
+        "--out", default="models/tiny", help="output directory (default: models/tiny)"
+    )
+    init.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    init.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
+    init.add_argument("--intermediate", type=int, default=704, help="MLP size (default 704)")
+    init.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    init.add_argument("--kv-heads", type=int, default=2, help="key/value heads (default 2)")
+    init.add_argument(
+        "--vocab", type=int, default=4096, help="BPE vocabulary size at most (default 4096)"
+    )
+    init.add_argument(
+        "--seed", type=int, default=0, help="seed for tokenizer corpus and weights (default 0)"
+    )
+    init.set_defaults(func=cmd_model_init)
+    model.set_defaults(func=lambda args: (model.print_help(), 2)[1])
+
+    serve = subparsers.add_parser(
+        "serve", help="the embedded SGLang-compatible rollout server (CPU)"
+    )
+    serve.add_argument("--model", required=True, help="Hugging Face-format model directory")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=30000, help="TCP port (0 = any free port)")
+    serve.add_argument("--port-file", help="write the bound port to this file once listening")
+    serve.add_argument(
+        "--kv-cache-dtype",
+        default="int8",
+        choices=["int8", "int4", "auto", "float32", "bfloat16"],
+        help="KV cache format (auto = int8)",
+    )
+    serve.add_argument(
+        "--kernel-backend",
+        default="auto",
+        choices=["auto", "tvm", "torch"],
+        help="paged-KV ops: TVM-compiled, the torch twin, or auto (TVM when it compiles)",
+    )
+    serve.add_argument(
+        "--max-total-tokens", type=int, default=65536, help="KV cache capacity in tokens"
+    )
+    serve.add_argument("--max-running-requests", type=int, default=256)
+    serve.add_argument("--context-length", type=int, default=None)
+    serve.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    serve.add_argument("--weight-version", default="default")
+    serve.add_argument("--served-model-name", default=None)
+    serve.set_defaults(func=cmd_serve)
+
+
+def cmd_model_init(args: argparse.Namespace) -> int:
+    from reinforge.engine.tiny import TinyModelSpec, init_tiny_model
+
+    from reinforge.cli import UserError
+
+    try:
+        spec = TinyModelSpec(
+            vocab_size=args.vocab,
+            hidden_size=args.hidden,
+            intermediate_size=args.intermediate,
+            num_layers=args.layers,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    out = init_tiny_model(args.out, spec)
+    print(f"wrote a tiny qwen2 policy to {out}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from reinforge.engine.engine import EngineConfig
+    from reinforge.engine.server import serve
+
+    from reinforge.cli import UserError
+
+    if not (Path(args.model) / "config.json").is_file():
+        raise UserError(
+            f"--model {args.model}: no config.json there (run `reinforge model init --out DIR`)"
+        )
+    try:
+        config = EngineConfig(
+            kv_cache_dtype="int8" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
+            kernel_backend=args.kernel_backend,
+            block_size=args.page_size,
+            max_total_tokens=args.max_total_tokens,
+            max_running_requests=args.max_running_requests,
+            context_length=args.context_length,
+            weight_version=args.weight_version,
+        )
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    serve(
+        args.model,
+        host=args.host,
+        port=args.port,
+        engine_config=config,
+        port_file=args.port_file,
+        served_model_name=args.served_model_name,
+    )
+    return 0

@@ -1,0 +1,226 @@
+"""Benchmark: the embedded engine against transformers `generate`, same model, prompts, settings.
+
+Workload: 32 prompts in the task formats x n=4 samples, temperature 1, top_p 1, a fixed number
+of new tokens (EOS ignored, so both sides generate exactly the same count). The engine runs
+in-process (no HTTP) with its default int8 KV cache; transformers runs one padded batch of
+32*4 sequences (`num_return_sequences=4`) with its own KV cache, float32.
+
+Also measured: KV bytes per token (int8 vs float32 cache), and greedy agreement with
+transformers' greedy `generate` (per prompt, unpadded): the fraction of generated tokens equal
+up to the first divergence, for a float32 cache (`greedy_match_fp`) and int8 (`greedy_match_int8`),
+plus the largest logprob error over agreeing tokens.
+
+Prints ONE JSON object as its last line (`--json` prints only that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def task_prompts(tokenizer, count: int) -> list[list[int]]:
+    from reinforge.engine.tiny import synthetic_corpus
+
+    docs = synthetic_corpus(seed=1234, num_docs=count * 4)
+    prompts = []
+    for doc in docs[:count]:
+        head = doc[: max(16, len(doc) // 2)]
+        chat = [{"role": "user", "content": head}]
+        prompts.append(
+            tokenizer.apply_chat_template(
+                chat, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+    return [list(p) for p in prompts]
+
+
+def run_engine(engine, prompts, params) -> tuple[float, dict]:
+    from reinforge.engine.engine import Group, Sequence, make_generator
+
+    results: dict = {}
+    for i, ids in enumerate(prompts):
+        seqs = [
+            Sequence(
+                rid=f"{i}-{j}",
+                index=i * params.n + j,
+                prompt_ids=ids,
+                params=params,
+                sink=lambda u: results.__setitem__(u.index, u),
+                generator=make_generator(params.sampling_seed, j),
+            )
+            for j in range(params.n)
+        ]
+        engine.submit(Group(prompt_ids=ids, seqs=seqs))
+    t0 = time.perf_counter()
+    engine.run_until_idle()
+    return time.perf_counter() - t0, results
+
+
+def greedy_agreement(engine, hf, prompts, max_new: int) -> tuple[float, float]:
+    import torch
+    from reinforge.engine.sampling import SamplingParams
+
+    _, res = run_engine(
+        engine, prompts, SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+    )
+    agree, total, max_err = 0, 0, 0.0
+    for i, ids in enumerate(prompts):
+        prompt = torch.tensor([ids])
+        out = hf.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        gen = out[0, len(ids) :]
+        with torch.inference_mode():
+            lps = (
+                torch.log_softmax(hf(out).logits[0].float(), -1)[len(ids) - 1 : -1]
+                .gather(1, gen[:, None])
+                .flatten()
+            )
+        ours = res[i].output_ids
+        n = next((k for k, (a, b) in enumerate(zip(gen.tolist(), ours)) if a != b), max_new)
+        agree += n
+        total += max_new
+        if n:
+            max_err = max(
+                max_err, (lps[:n] - torch.tensor(res[i].output_logprobs[:n])).abs().max().item()
+            )
+    return agree / total, max_err
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print only the JSON line")
+    ap.add_argument("--model", help="HF model dir (default: a fresh `reinforge model init`)")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--greedy-tokens", type=int, default=32)
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="timed runs of each side (median reported)"
+    )
+    ap.add_argument("--kernel-backend", default="auto")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads for BOTH sides (default: the engine's policy, default_torch_threads())",
+    )
+    args = ap.parse_args()
+
+    import torch
+    from reinforge.engine.engine import Engine, EngineConfig, default_torch_threads
+    from reinforge.engine.loader import load_model
+    from reinforge.engine.sampling import SamplingParams
+    from reinforge.engine.tiny import init_tiny_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(args.threads or default_torch_threads())
+    say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    tmp = tempfile.TemporaryDirectory()
+    model_dir = Path(args.model) if args.model else init_tiny_model(Path(tmp.name) / "tiny")
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    prompts = task_prompts(tok, args.prompts)
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = load_model(model_dir)
+    total_new = len(prompts) * args.n * args.max_new_tokens
+    capacity = 2 * len(prompts) * args.n * (max(map(len, prompts)) + args.max_new_tokens + 16)
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0, n=args.n, ignore_eos=True
+    )
+
+    engine = Engine(
+        model,
+        EngineConfig(
+            kv_cache_dtype="int8", kernel_backend=args.kernel_backend, max_total_tokens=capacity
+        ),
+    )
+    # transformers: one padded batch, left padding, num_return_sequences=n.
+    width = max(map(len, prompts))
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+
+    def hf_run(rows: int, new_tokens: int) -> float:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(
+                ids[:rows],
+                attention_mask=mask[:rows],
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                num_return_sequences=args.n,
+                eos_token_id=None,
+                pad_token_id=tok.pad_token_id,
+            )
+        assert out.shape == (rows * args.n, width + new_tokens)
+        return time.perf_counter() - t0
+
+    run_engine(
+        engine, prompts[:4], SamplingParams(max_new_tokens=4, n=args.n)
+    )  # warm-up (TVM load)
+    hf_run(4, 4)
+    # Interleaved runs, so both sides see the same background load; the ratio is per pair.
+    engine_times, hf_times, ratios = [], [], []
+    for r in range(args.repeats):
+        dt, res = run_engine(engine, prompts, params)
+        assert sum(len(u.output_ids) for u in res.values()) == total_new
+        hf_dt = hf_run(len(prompts), args.max_new_tokens)
+        engine_times.append(dt)
+        hf_times.append(hf_dt)
+        ratios.append(hf_dt / dt)
+        say(
+            f"run {r}: engine {dt:.2f} s ({total_new / dt:.0f} tok/s), transformers {hf_dt:.2f} s "
+            f"({total_new / hf_dt:.0f} tok/s), ratio {hf_dt / dt:.2f}"
+        )
+
+    fp_engine = Engine(model, EngineConfig(kv_cache_dtype="float32", max_total_tokens=capacity))
+    greedy_fp, err_fp = greedy_agreement(fp_engine, hf, prompts, args.greedy_tokens)
+    greedy_i8, err_i8 = greedy_agreement(engine, hf, prompts, args.greedy_tokens)
+    engine_tps = total_new / statistics.median(engine_times)
+    hf_tps = total_new / statistics.median(hf_times)
+    result = {
+        "bench": "engine",
+        "model_params": sum(t.numel() for t in hf.parameters()),
+        "prompts": len(prompts),
+        "n": args.n,
+        "max_new_tokens": args.max_new_tokens,
+        "kv_backend": engine.pool.ops.name,
+        "engine_tokens_per_s": round(engine_tps, 1),
+        "hf_tokens_per_s": round(hf_tps, 1),
+        "speedup": round(statistics.median(ratios), 2),
+        "speedup_per_run": [round(x, 2) for x in ratios],
+        "engine_s": [round(t, 3) for t in engine_times],
+        "hf_s": [round(t, 3) for t in hf_times],
+        "kv_bytes_per_token": {
+            "int8": engine.pool.bytes_per_token(),
+            "float32": fp_engine.pool.bytes_per_token(),
+        },
+        "kv_compression": round(
+            fp_engine.pool.bytes_per_token() / engine.pool.bytes_per_token(), 2
+        ),
+        "greedy_match_fp": round(greedy_fp, 4),
+        "greedy_match_int8": round(greedy_i8, 4),
+        "max_logprob_err_fp": err_fp,
+        "max_logprob_err_int8": err_i8,
+        "torch_threads": torch.get_num_threads(),
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,569 @@
+"""The generation engine: continuous batching over a paged KV pool, driven by one thread.
+
+Requests move through named states: WAITING (queued, no KV) -> RUNNING (blocks held, one
+token per step) -> FINISHED (blocks released, final update sent). Every step:
+  1. apply pending aborts;
+  2. if a weight swap is pending and nothing runs, swap (queued requests stay queued);
+  3. unless a swap is pending, admit waiting groups in arrival order while the pool has the
+     blocks for their worst case (prompt + max_new_tokens for each of the n samples, the
+     prompt's full blocks shared among them); a group that does not fit waits (never crash);
+  4. prefill each admitted group once and sample each of its n first tokens;
+  5. decode one token for every running sequence in one batch, attention through the
+     paged-KV ops.
+Invariants: a sequence's tokens all come from one weight version (swaps wait for an empty
+batch); blocks are reserved for the worst case at admission, so a running sequence never
+waits for memory and nothing is ever preempted.
+
+Updates go to each sequence's `sink`, called on the engine thread: the HTTP layer hops them
+onto its event loop.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import os
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import torch
+from reinforge.engine.kvpool import KVPool, KVPoolStats
+from reinforge.engine.model import Model, Weights
+from reinforge.engine.sampling import (
+    GREEDY_TEMPERATURE,
+    TOP_K_ALL,
+    SamplingParams,
+    sample_tokens,
+    token_logprobs,
+    truncation_mask,
+)
+
+PREFILL_TOKENS = 4096
+"""Prompt tokens prefilled together at most (bounds the padded attention's memory)."""
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Settings of one engine (the server's `--kv-cache-dtype` etc. end up here)."""
+
+    kv_cache_dtype: str = "int8"
+    """KV cache kind: int8 (default), int4, float32, bfloat16 (`auto` resolves to int8)."""
+    kernel_backend: str = "auto"
+    """Paged-KV ops: auto (TVM when it compiles, else torch), tvm, or torch."""
+    kernel_threads: int | None = 1
+    """Threads of the TVM kernels' pool. 1 (default) runs them on the engine thread: a second
+    spinning thread pool next to torch's OpenMP pool made every torch op ~3x slower on 2 cores.
+    None = every CPU."""
+    block_size: int = 16
+    """Tokens per KV page."""
+    max_total_tokens: int = 65536
+    """KV pool capacity in tokens (rounded up to whole pages)."""
+    max_running_requests: int = 256
+    """Sequences decoded together at most."""
+    context_length: int | None = None
+    """Prompt + generated tokens at most per sequence (default: the model's max positions)."""
+    weight_version: str = "default"
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "int8", "int4", "float32", "bfloat16"):
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of "
+                "auto, int8, int4, float32, bfloat16"
+            )
+        for name in ("block_size", "max_total_tokens", "max_running_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+log = logging.getLogger(__name__)
+
+
+class SeqState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class SeqUpdate(msgspec.Struct, frozen=True, kw_only=True):
+    """A snapshot of one sequence, sent after each step it advanced and when it finishes."""
+
+    index: int
+    rid: str
+    output_ids: list[int]
+    output_logprobs: list[float]
+    input_logprobs: list[float | None]
+    finish_reason: dict[str, Any] | None
+    prompt_tokens: int
+    cached_tokens: int
+    weight_version: str
+    admitted: bool
+    """False when the request was aborted before it ever ran (SGLang's reduced meta_info)."""
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample being generated (a prompt with n=4 has four)."""
+
+    rid: str
+    index: int
+    """Position in the HTTP response list."""
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: Callable[[SeqUpdate], None]
+    stream: bool = False
+    logprob_start_len: int = -1
+    generator: torch.Generator | None = None
+    state: SeqState = SeqState.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    weight_version: str = ""
+    cached_tokens: int = 0
+    stop_check: Callable[[list[int]], str | None] | None = None
+    """Returns the matched stop string once the decoded output contains one."""
+
+    def update(self) -> SeqUpdate:
+        return SeqUpdate(
+            index=self.index,
+            rid=self.rid,
+            output_ids=list(self.output_ids),
+            output_logprobs=list(self.output_logprobs),
+            input_logprobs=list(self.input_logprobs),
+            finish_reason=self.finish_reason,
+            prompt_tokens=len(self.prompt_ids),
+            cached_tokens=self.cached_tokens,
+            weight_version=self.weight_version,
+            admitted=bool(self.weight_version),  # set when blocks are reserved
+        )
+
+
+@dataclass(eq=False)
+class Group:
+    """The n samples of one prompt: admitted together, prefilled once."""
+
+    prompt_ids: list[int]
+    seqs: list[Sequence]
+
+
+class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
+    num_waiting_reqs: int
+    num_running_reqs: int
+    num_used_tokens: int
+    max_total_num_tokens: int
+    steps: int
+    generated_tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+    weight_version: str
+    kv: KVPoolStats
+
+
+class Engine:
+    """Owns the model, the KV pool and the scheduling loop (`run_forever` on its own thread)."""
+
+    def __init__(
+        self, model: Model, config: EngineConfig, eos_token_ids: tuple[int, ...] = ()
+    ) -> None:
+        self.model = model
+        self.config = config
+        kind = "int8" if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+        mc = model.config
+        self.context_length = min(
+            config.context_length or mc.max_position_embeddings, config.max_total_tokens
+        )
+        num_blocks = math.ceil(config.max_total_tokens / config.block_size)
+        self.pool = KVPool(
+            mc,
+            kind=kind,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            backend=config.kernel_backend,
+            num_threads=config.kernel_threads,
+        )
+        self.eos_token_ids = frozenset(eos_token_ids or mc.eos_token_ids)
+        self.weight_version = config.weight_version
+        self._cond = threading.Condition()
+        self._waiting: deque[Group] = deque()
+        self._running: list[Sequence] = []
+        self._aborts: list[tuple[str, bool, bool]] = []
+        self._swap: tuple[Weights, str, Future] | None = None
+        self._stop = False
+        self._steps = 0
+        self._generated = 0
+        self._prompt_tokens = 0
+        self._cached = 0
+        self._admitting: list[Group] = []
+
+    # ------------------------------------------------------------------ thread-safe API
+
+    def max_blocks_for(self, prompt_len: int, params: SamplingParams) -> int:
+        """Blocks a group needs at admission (worst case), for the 'can this ever fit' check."""
+        bs = self.config.block_size
+        per_seq = math.ceil(max(prompt_len + params.max_new_tokens, 1) / bs)
+        shared = prompt_len // bs if params.n > 1 else 0
+        return shared + params.n * (per_seq - shared)
+
+    def submit(self, group: Group) -> None:
+        """Queue a group. Raises ValueError if it could never fit the pool (the caller checks
+        the context length)."""
+        params = msgspec.structs.replace(group.seqs[0].params, n=len(group.seqs))
+        need = self.max_blocks_for(len(group.prompt_ids), params)
+        if need > self.pool.num_blocks:
+            raise ValueError(
+                f"a request needing {need} KV blocks can never fit a pool of {self.pool.num_blocks}"
+            )
+        with self._cond:
+            self._waiting.append(group)
+            self._cond.notify()
+
+    def abort(self, rid: str = "", abort_all: bool = False, exact: bool = False) -> None:
+        """Abort every request whose rid starts with `rid` (SGLang's prefix match; equals it
+        if `exact`), or all: running ones return their partial output with finish_reason
+        abort; queued ones are dropped with an abort."""
+        with self._cond:
+            self._aborts.append((rid, abort_all, exact))
+            self._cond.notify()
+
+    def swap_weights(self, weights: Weights, version: str, abort_all: bool = False) -> Future:
+        """Install `weights` as `version` once no sequence is running; resolves when done."""
+        fut: Future = Future()
+        with self._cond:
+            if self._swap is not None:
+                fut.set_exception(RuntimeError("another weight update is in progress"))
+                return fut
+            if abort_all:
+                self._aborts.append(("", True, False))
+            self._swap = (weights, version, fut)
+            self._cond.notify()
+        return fut
+
+    def is_idle(self) -> bool:
+        with self._cond:
+            return not self._waiting and not self._running and self._swap is None
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+
+    def statistics(self) -> EngineStats:
+        with self._cond:
+            used = sum(len(s.prompt_ids) + len(s.output_ids) for s in self._running)
+            return EngineStats(
+                num_waiting_reqs=sum(len(g.seqs) for g in self._waiting),
+                num_running_reqs=len(self._running),
+                num_used_tokens=used,
+                max_total_num_tokens=self.pool.num_blocks * self.pool.block_size,
+                steps=self._steps,
+                generated_tokens=self._generated,
+                prompt_tokens=self._prompt_tokens,
+                cached_tokens=self._cached,
+                weight_version=self.weight_version,
+                kv=self.pool.statistics(),
+            )
+
+    # ------------------------------------------------------------------ the loop
+
+    def run_forever(self) -> None:
+        """The engine thread's body: step while there is work, sleep when idle."""
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    while not (
+                        self._stop or self._waiting or self._running or self._aborts or self._swap
+                    ):
+                        self._cond.wait()
+                    if self._stop:
+                        return
+                try:
+                    self.step()
+                except Exception as exc:  # never leave HTTP callers waiting on a dead thread
+                    log.exception("engine step failed; aborting every request")
+                    self._fail_all(exc)
+
+    def _fail_all(self, exc: Exception) -> None:
+        reason = {
+            "type": "abort",
+            "message": f"engine error: {type(exc).__name__}: {exc}",
+            "status_code": 500,
+            "err_type": "InternalServerError",
+        }
+        with self._cond:
+            admitting = [s for g in self._admitting for s in g.seqs if s not in self._running]
+            for seq in list(self._running) + admitting:
+                if seq.state is not SeqState.FINISHED:
+                    self._finish(seq, reason)
+            self._running.clear()
+            self._admitting = []
+            for group in self._waiting:
+                for seq in group.seqs:
+                    self._finish(seq, reason)
+            self._waiting.clear()
+
+    def run_until_idle(self) -> None:
+        """Step until nothing is queued or running (for tests and benchmarks, same thread)."""
+        with torch.inference_mode():
+            while not self.is_idle() or self._aborts:
+                self.step()
+
+    def step(self) -> None:
+        with self._cond:
+            aborts, self._aborts = self._aborts, []
+            for rid, abort_all, exact in aborts:
+                self._apply_abort(rid, abort_all, exact)
+            if self._swap is not None and not self._running:
+                weights, version, fut = self._swap
+                self.model.weights = weights
+                self.weight_version = version
+                self._swap = None
+                fut.set_result(version)
+            admitted = self._admit() if self._swap is None else []
+        self._admitting = admitted
+        if admitted:
+            self._prefill(admitted)
+        self._admitting = []
+        self._decode()
+        self._steps += 1
+
+    # ------------------------------------------------------------------ internals
+
+    def _finish(self, seq: Sequence, reason: dict[str, Any]) -> None:
+        seq.finish_reason = reason
+        if seq.state is SeqState.RUNNING:
+            self.pool.release(seq.blocks)
+            seq.blocks = []
+        seq.state = SeqState.FINISHED
+        seq.sink(seq.update())
+
+    def _apply_abort(self, rid: str, abort_all: bool, exact: bool) -> None:
+        if not rid and not abort_all:
+            return
+
+        def hit(s: Sequence) -> bool:
+            return abort_all or (s.rid == rid if exact else s.rid.startswith(rid))
+
+        for seq in [s for s in self._running if hit(s)]:
+            self._running.remove(seq)
+            self._finish(
+                seq,
+                {
+                    "type": "abort",
+                    "message": "Abort requested",
+                    "status_code": None,
+                    "err_type": None,
+                },
+            )
+        kept: deque[Group] = deque()
+        for group in self._waiting:
+            for seq in group.seqs:
+                if hit(seq):
+                    self._finish(
+                        seq,
+                        {
+                            "type": "abort",
+                            "message": "Abort in waiting queue",
+                            "status_code": None,
+                            "err_type": None,
+                        },
+                    )
+            group.seqs = [s for s in group.seqs if s.state is not SeqState.FINISHED]
+            if group.seqs:
+                kept.append(group)
+        self._waiting = kept
+
+    def _admit(self) -> list[Group]:
+        admitted: list[Group] = []
+        running = len(self._running)
+        while self._waiting:
+            group = self._waiting[0]
+            n = len(group.seqs)
+            if running + n > self.config.max_running_requests and running:
+                break
+            need = self.max_blocks_for(
+                len(group.prompt_ids), msgspec.structs.replace(group.seqs[0].params, n=n)
+            )
+            if need > self.pool.num_free:
+                break
+            self._waiting.popleft()
+            self._reserve(group)
+            admitted.append(group)
+            running += n
+        return admitted
+
+    def _reserve(self, group: Group) -> None:
+        """Give each sample its block table: shared full prompt blocks + its own blocks."""
+        bs = self.config.block_size
+        p = len(group.prompt_ids)
+        params = group.seqs[0].params
+        per_seq = math.ceil(max(p + params.max_new_tokens, 1) / bs)
+        shared_n = p // bs if len(group.seqs) > 1 else 0
+        shared = self.pool.allocate(shared_n)
+        for j, seq in enumerate(group.seqs):
+            if j > 0:
+                self.pool.share(shared)
+            seq.blocks = shared + self.pool.allocate(per_seq - shared_n)
+            seq.state = SeqState.RUNNING
+            seq.weight_version = self.weight_version
+            seq.cached_tokens = shared_n * bs if j > 0 else 0
+
+    def _slots(self, seq: Sequence, positions: range) -> list[int]:
+        bs = self.config.block_size
+        return [seq.blocks[pos // bs] * bs + pos % bs for pos in positions]
+
+    def _prefill(self, groups: list[Group]) -> None:
+        """Prefill admitted groups in batches of at most `PREFILL_TOKENS` prompt tokens."""
+        chunk: list[Group] = []
+        size = 0
+        for group in groups:
+            if chunk and size + len(group.prompt_ids) > PREFILL_TOKENS:
+                self._prefill_chunk(chunk)
+                chunk, size = [], 0
+            chunk.append(group)
+            size += len(group.prompt_ids)
+        if chunk:
+            self._prefill_chunk(chunk)
+
+    def _prefill_chunk(self, groups: list[Group]) -> None:
+        bs = self.config.block_size
+        prompts = [torch.tensor(g.prompt_ids, dtype=torch.int64) for g in groups]
+        want = [any(s.logprob_start_len >= 0 for s in g.seqs) for g in groups]
+        logits, new_kv = self.model.prefill_batch(prompts, want)
+        slot_list: list[int] = []
+        for g in groups:
+            slot_list += self._slots(g.seqs[0], range(len(g.prompt_ids)))
+        slots = torch.tensor(slot_list, dtype=torch.int32)
+        for cache, (k, v) in zip(self.pool.caches, new_kv):
+            self.pool.ops.append(cache, k.contiguous(), v.contiguous(), slots)
+        seqs: list[Sequence] = []
+        rows: list[torch.Tensor] = []
+        for g, tokens, lg in zip(groups, prompts, logits):
+            p = len(g.prompt_ids)
+            if p % bs and len(g.seqs) > 1:  # the prompt's tail page, copied for samples 1..n-1
+                tail = p // bs
+                self.pool.copy_block(g.seqs[0].blocks[tail], [s.blocks[tail] for s in g.seqs[1:]])
+            self._prompt_tokens += p
+            self._cached += sum(s.cached_tokens for s in g.seqs)
+            for seq in g.seqs:
+                if seq.logprob_start_len >= 0:
+                    seq.input_logprobs = self._input_logprobs(seq, tokens, lg)
+            seqs += g.seqs
+            rows.append(lg[-1:].expand(len(g.seqs), -1))
+        self._running.extend(seqs)
+        self._sample_and_advance(seqs, torch.cat(rows))
+
+    @staticmethod
+    def _input_logprobs(
+        seq: Sequence, tokens: torch.Tensor, logits: torch.Tensor
+    ) -> list[float | None]:
+        """Prompt logprobs from position logprob_start_len on; position 0 has none (null)."""
+        p = tokens.shape[0]
+        picked: list[float | None] = [None]
+        if p > 1:
+            t = torch.full((p - 1,), seq.params.temperature)
+            picked += token_logprobs(logits[:-1], t).gather(1, tokens[1:, None]).flatten().tolist()
+        return picked[min(seq.logprob_start_len, p) :]
+
+    def _decode(self) -> None:
+        seqs = [s for s in self._running if s.output_ids]
+        if not seqs:
+            return
+        bs = self.config.block_size
+        tokens = torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.int64)
+        pos_list = [len(s.prompt_ids) + len(s.output_ids) - 1 for s in seqs]
+        positions = torch.tensor(pos_list, dtype=torch.int64)
+        slots = torch.tensor(
+            [s.blocks[q // bs] * bs + q % bs for s, q in zip(seqs, pos_list)], dtype=torch.int32
+        )
+        seq_lens = torch.tensor([q + 1 for q in pos_list], dtype=torch.int32)
+        width = max(q // bs for q in pos_list) + 1
+        table = torch.tensor([(s.blocks + [0] * width)[:width] for s in seqs], dtype=torch.int32)
+        mc = self.model.config
+        out = torch.empty(len(seqs), mc.num_heads, mc.head_dim, dtype=torch.float32)
+        ops, caches, scale = self.pool.ops, self.pool.caches, self.model.sm_scale
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            ops.append(caches[i], k, v, slots)
+            ops.decode_attention(q, caches[i], table, seq_lens, scale, out)
+            return out
+
+        logits = self.model.decode(tokens, positions, attend)
+        self._sample_and_advance(seqs, logits)
+
+    def _sample_and_advance(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Sample one token for each of `seqs` from logits [len(seqs), V], then check stops."""
+        todo = [i for i, s in enumerate(seqs) if s.params.max_new_tokens > 0]
+        for i, s in enumerate(seqs):
+            if s.params.max_new_tokens == 0:
+                self._running.remove(s)
+                self._finish(s, {"type": "length", "length": 0})
+        if not todo:
+            return
+        seqs = [seqs[i] for i in todo]
+        logits = logits[todo]
+        temps = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32)
+        lp = token_logprobs(logits, temps)
+        greedy = temps < GREEDY_TEMPERATURE
+        keep = None
+        if any(
+            s.params.top_k < TOP_K_ALL or s.params.top_p < 1.0 or s.params.min_p > 0 for s in seqs
+        ):
+            keep = truncation_mask(
+                lp,
+                torch.tensor([s.params.top_k for s in seqs]),
+                torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32),
+                torch.tensor([s.params.min_p for s in seqs], dtype=torch.float32),
+            )
+        next_ids = sample_tokens(lp, greedy, keep, [s.generator for s in seqs])
+        picked = lp.gather(1, next_ids[:, None]).flatten().tolist()
+        for seq, tok, tok_lp in zip(seqs, next_ids.tolist(), picked):
+            seq.output_ids.append(tok)
+            seq.output_logprobs.append(tok_lp)
+            self._generated += 1
+            reason = self._stop_reason(seq, tok)
+            if reason is not None:
+                self._running.remove(seq)
+                self._finish(seq, reason)
+            elif seq.stream:
+                seq.sink(seq.update())
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> dict[str, Any] | None:
+        p = seq.params
+        if len(seq.output_ids) > p.min_new_tokens:
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+                return {"type": "stop", "matched": tok}
+            if seq.stop_check is not None:
+                matched = seq.stop_check(seq.output_ids)
+                if matched is not None:
+                    return {"type": "stop", "matched": matched}
+        if len(seq.output_ids) >= p.max_new_tokens:
+            return {"type": "length", "length": p.max_new_tokens}
+        if len(seq.prompt_ids) + len(seq.output_ids) >= self.context_length:
+            return {"type": "length", "length": len(seq.output_ids)}
+        return None
+
+
+def default_torch_threads() -> int:
+    """Torch intra-op threads for the engine thread: 1 on machines with 2 CPUs or fewer, else
+    all but one. Measured on 2 shared cores: the decode step's ops are small (B x hidden), and
+    with 2 OpenMP threads a busy neighbour stalled every barrier (median step 10x the best);
+    1 thread was stable and as fast at the best."""
+    cpus = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
+    return 1 if cpus <= 2 else cpus - 1
+
+
+def make_generator(seed: int | None, sample_index: int) -> torch.Generator | None:
+    """The per-sample RNG: seeded `seed + sample_index`, or None (the shared global RNG)."""
+    if seed is None:
+        return None
+    g = torch.Generator()
+    g.manual_seed(seed + sample_index)
+    return g

@@ -1,0 +1,313 @@
+"""A sampler-style client (httpx) against a real `reinforge serve` process on a free port."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    port_file = tmp_path_factory.mktemp("srv") / "port"
+    log = open(port_file.with_name("server.log"), "w")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "reinforge.cli",
+            "serve",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--max-total-tokens",
+            "8192",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not port_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"server did not start: {port_file.with_name('server.log').read_text()}")
+        time.sleep(0.1)
+    url = f"http://127.0.0.1:{port_file.read_text()}"
+    with httpx.Client(base_url=url, timeout=60) as client:
+        yield client
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    log.close()
+
+
+def check_item(item: dict, *, logprobs: bool = False) -> None:
+    assert set(item) >= {"text", "output_ids", "meta_info"}
+    meta = item["meta_info"]
+    assert set(meta) >= {
+        "id",
+        "finish_reason",
+        "prompt_tokens",
+        "completion_tokens",
+        "cached_tokens",
+        "weight_version",
+        "e2e_latency",
+    }
+    assert meta["completion_tokens"] == len(item["output_ids"])
+    assert meta["finish_reason"]["type"] in ("stop", "length", "abort")
+    if logprobs:
+        lps = meta["output_token_logprobs"]
+        assert len(lps) == len(item["output_ids"])
+        assert all(lp <= 0 and tok == tid for (lp, tok, _), tid in zip(lps, item["output_ids"]))
+
+
+def test_generate_single_text_with_logprobs(server):
+    r = server.post(
+        "/generate",
+        json={
+            "text": "Question: What is 2 + 3?\nAnswer:",
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+        },
+    )
+    assert r.status_code == 200
+    item = r.json()
+    check_item(item, logprobs=True)
+    assert (
+        item["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+        or item["output_ids"][-1] == 2
+    )
+
+
+def test_generate_batch_of_input_ids_with_n_is_ordered_prompt_major(server):
+    params = {
+        "max_new_tokens": 6,
+        "temperature": 1.0,
+        "n": 3,
+        "sampling_seed": 7,
+        "ignore_eos": True,
+    }
+    body = {"input_ids": [[5, 6, 7] * 7, [9, 10] * 3], "sampling_params": params}
+    r = server.post("/generate", json=body)
+    assert r.status_code == 200
+    items = r.json()
+    assert len(items) == 6
+    for k, item in enumerate(items):
+        check_item(item)
+        assert item["meta_info"]["prompt_tokens"] == (21 if k < 3 else 6)
+    assert items[1]["meta_info"]["cached_tokens"] == 16  # one shared 16-token page
+    again = server.post("/generate", json=body).json()
+    assert [i["output_ids"] for i in again] == [i["output_ids"] for i in items]  # seeded
+
+
+def test_generate_stops_on_stop_token_ids_and_stop_strings(server):
+    greedy = server.post(
+        "/generate",
+        json={
+            "input_ids": [3, 4, 5],
+            "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True},
+        },
+    ).json()
+    ids = greedy["output_ids"]
+    r = server.post(
+        "/generate",
+        json={
+            "input_ids": [3, 4, 5],
+            "sampling_params": {
+                "max_new_tokens": 10,
+                "temperature": 0,
+                "stop_token_ids": [ids[2]],
+                "ignore_eos": True,
+            },
+        },
+    ).json()
+    assert r["output_ids"] == ids[: ids.index(ids[2]) + 1]
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[2]}
+    stop = greedy["text"][3:6]
+    r = server.post(
+        "/generate",
+        json={
+            "input_ids": [3, 4, 5],
+            "sampling_params": {
+                "max_new_tokens": 10,
+                "temperature": 0,
+                "stop": [stop],
+                "ignore_eos": True,
+            },
+        },
+    ).json()
+    if stop.strip():
+        assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert stop not in r["text"] and greedy["text"].startswith(r["text"])
+
+
+def test_streaming_sends_cumulative_chunks_then_done(server):
+    chunks = []
+    with server.stream(
+        "POST",
+        "/generate",
+        json={
+            "text": ["a", "b"],
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
+        },
+    ) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                chunks.append(line[6:])
+    assert chunks[-1] == "[DONE]"
+    events = [json.loads(c) for c in chunks[:-1]]
+    for index in (0, 1):
+        mine = [e for e in events if e["index"] == index]
+        assert [len(e["output_ids"]) for e in mine] == [1, 2, 3, 4]
+        assert mine[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+        assert all(e["meta_info"]["finish_reason"] is None for e in mine[:-1])
+
+
+@pytest.mark.parametrize(
+    "params, needle",
+    [
+        ({"seed": 1}, "sampling_seed"),
+        ({"max_tokens": 4}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"max_new_tokens": 1.5}, "max_new_tokens"),
+    ],
+)
+def test_bad_sampling_params_are_a_400_naming_the_field(server, params, needle):
+    r = server.post("/generate", json={"text": "hi", "sampling_params": params})
+    assert r.status_code == 400
+    assert needle in r.json()["error"]
+
+
+def test_too_long_prompts_and_empty_bodies_are_400s(server):
+    r = server.post("/generate", json={"input_ids": [1] * 5000})
+    assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
+    assert server.post("/generate", json={}).status_code == 400
+    assert server.post("/generate", content=b"{not json").status_code == 400
+
+
+def test_info_health_and_cache_endpoints(server):
+    assert server.get("/health").status_code == 200
+    assert server.get("/health_generate").status_code == 200
+    info = server.get("/get_model_info").json()
+    assert info["is_generation"] and info["model_type"] == "qwen2" and "weight_version" in info
+    sinfo = server.get("/get_server_info").json()
+    assert sinfo["kv_cache_dtype"] == "int8" and sinfo["max_total_num_tokens"] == 8192
+    assert server.get("/v1/models").json()["data"][0]["id"] == info["served_model_name"]
+    assert server.get("/v1/loads").json()["loads"][0]["num_running_reqs"] >= 0
+    r = server.post("/flush_cache")
+    assert r.status_code == 200 and r.text.startswith("Cache flushed")
+
+
+def test_abort_request_returns_partial_output_with_abort_reason(server):
+    import threading
+
+    result = {}
+
+    def long_request():
+        result["r"] = server.post(
+            "/generate",
+            json={
+                "text": "x",
+                "rid": "abort-me-1",
+                "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True},
+            },
+        )
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    time.sleep(1.0)
+    busy = server.post("/flush_cache")
+    assert busy.status_code == 400  # SGLang refuses to flush while requests run
+    assert server.post("/abort_request", json={"rid": "abort-me"}).status_code == 200
+    t.join(timeout=60)
+    item = result["r"].json()
+    assert result["r"].status_code == 200
+    assert item["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(item["output_ids"]) < 1500
+
+
+def test_update_weights_from_disk_swaps_weights_and_version(server, tiny_model_dir, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    body = {
+        "input_ids": [3, 4, 5],
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+    }
+    before = server.post("/generate", json=body).json()
+    other = tmp_path / "v2"  # the learner's next checkpoint: same architecture, new weights
+    other.mkdir()
+    for f in tiny_model_dir.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    state = load_file(str(other / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    state = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+    save_file(state, str(other / "model.safetensors"), metadata={"format": "pt"})
+    r = server.post(
+        "/update_weights_from_disk", json={"model_path": str(other), "weight_version": "v2"}
+    )
+    assert (
+        r.status_code == 200
+        and r.json()["success"] is True
+        and r.json()["num_paused_requests"] == 0
+    )
+    assert server.get("/get_model_info").json()["weight_version"] == "v2"
+    after = server.post("/generate", json=body).json()
+    assert after["meta_info"]["weight_version"] == "v2"
+    assert after["output_ids"] != before["output_ids"]
+    r = server.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "nope")})
+    assert r.status_code == 400 and r.json()["success"] is False
+    r = server.post(
+        "/update_weights_from_disk",
+        json={"model_path": str(tiny_model_dir), "weight_version": "v3"},
+    )
+    assert (
+        r.json()["success"]
+        and server.post("/generate", json=body).json()["output_ids"] == before["output_ids"]
+    )
+
+
+def test_a_client_that_drops_a_stream_stops_its_generation(server):
+    def generated() -> int:
+        return server.get("/get_server_info").json()["internal_states"][0]["generated_tokens"]
+
+    before = generated()
+    with server.stream(
+        "POST",
+        "/generate",
+        json={
+            "text": "x",
+            "stream": True,
+            "rid": "dropped-stream",
+            "sampling_params": {"max_new_tokens": 1900, "ignore_eos": True},
+        },
+    ) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        load = server.get("/v1/loads").json()["loads"][0]
+        if load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0:
+            break
+        time.sleep(0.2)
+    assert load["num_running_reqs"] == 0
+    assert generated() - before < 1900  # aborted, not run to the end
