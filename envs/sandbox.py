@@ -1,0 +1,1063 @@
+"""Rootless Podman sandboxes for model-written code.
+
+Public API (stable; the code and terminal domains build on it)::
+
+    config = SandboxConfig(timeout_s=10.0)              # limits, image, socket
+    with Sandbox.start(config) as box:                   # one warm container
+        # one self-contained task: clean start, files, command (what the pool runs)
+        result = box.run_task({"sol.py": code, "test_sol.py": tests},
+                              ["python3", "-m", "unittest", "-q"], stdin=b"", env={})
+        result.status, result.exit_code, result.stdout, result.timed_out, result.limits
+        # or step by step, state kept across runs (a terminal session):
+        box.put_files({"notes.txt": "..."})
+        result = box.run(["sh", "-c", "ls"], timeout_s=5)
+        await box.arun(["sh", "-c", "ls"])               # `run` from trio (worker thread)
+        box.reset()                                      # clean state for the next task
+    # SandboxInfraError: the infrastructure failed (API down, image missing, ...): retry
+
+    SandboxPool (sandbox_pool.py) keeps warm sandboxes, replaces misbehaving ones, caches
+    results by hash of (files, command, image), and turns persistent infrastructure failures
+    into a typed `InfraFailure` — never a reward.
+
+What a sandbox is: a container from a sandbox image, started through the Podman API socket
+(podman-py) of a rootless Podman, with no network (`none`), a read-only root filesystem,
+small size-capped tmpfs mounts (/work, /tmp, /var/tmp, /dev/shm, /run/reinforge), no
+capabilities, no-new-privileges, the default seccomp profile, an init (catatonit) as PID 1 that
+reaps orphans, and candidate code running as an unprivileged uid (a different one per sandbox,
+so one sandbox's per-uid process budget is not another's). A "keeper" process running as a
+second uid holds the container open; the candidate can't signal it.
+
+A task (`run_task`, what the pool uses) is ONE exec: a wrapper shell kills every process of the
+candidate uid and wipes every writable dir (and checks both), unpacks the files and stdin from
+its environment, prints a per-run start marker, runs the command, kills everything the command
+left behind, and prints an end marker with the exit status. No start marker: the set-up failed,
+an infrastructure error. No end marker: the wrapper was killed, so the sandbox is reset by a
+separate exec before its next task. The wrapper runs /usr/local/bin/reinforge-sh, a copy of dash
+that the candidate's uid can execute but not read: that makes the wrapper non-dumpable, so
+candidate processes can't ptrace it, write its memory or read its environment (which holds the
+task's files) — neither this task's nor a leftover of an earlier one.
+
+Limits. Where Podman can apply cgroup limits (cgroup v2), memory, pids and CPU are cgroup
+limits *and* rlimits; on cgroup v1 rootless set-ups (these machines) Podman ignores them, so the
+same limits are enforced by rlimits that the wrapper sets on the candidate (RLIMIT_NPROC on its
+own uid, RLIMIT_DATA for memory, RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CPU, nice for CPU share)
+and by a wall-clock deadline outside (the host kills the whole container, which the pool then
+replaces). `RunResult.limits` says which mechanism is in force.
+
+It protects against (each claim is attacked in tests/sandbox/):
+  - fork bombs, memory bombs, disk fill, busy loops, sleeping past the timeout, infinite output
+    (contained, reported with a precise status; the sandbox is replaced afterwards);
+  - network egress: no interface but loopback, so no TCP to the host's ports, no DNS;
+  - reading host files, environment and secrets: nothing of the host is mounted, the env is a
+    whitelist;
+  - writing outside the work dirs (read-only root), setuid/capability use (no caps,
+    no-new-privileges), signalling processes outside the sandbox (own PID namespace);
+  - one task seeing another's files or processes: every task starts with a checked reset (no
+    process of the candidate uid, nothing in any writable dir) and ends by killing what it
+    left; a sandbox that can't be reset, timed out or flooded is replaced;
+  - a candidate tampering with its wrapper (ptrace, /proc/<pid>/mem, /proc/<pid>/environ):
+    the wrapper is non-dumpable (images built by scripts/setup_podman.sh; see `shell`);
+  - binary garbage / invalid UTF-8 output (kept as bytes, decoded with replacement), huge
+    stdin / files (refused up front as INPUT_TOO_LARGE).
+
+It does NOT protect against:
+  - kernel exploits or container-runtime escapes (runc/crun CVEs): keep the kernel and runtime
+    patched; a microVM (gVisor, Firecracker) is the stronger boundary;
+  - timing side channels and CPU contention between sandboxes on cgroup v1 (nice and RLIMIT_CPU
+    only; no CPU quota);
+  - memory pressure on cgroup v1: RLIMIT_DATA bounds heap per process, not the sum over a
+    sandbox's processes (bounded by pids x data), and tmpfs pages are bounded by their sizes;
+  - reward hacking inside the candidate's own process (exiting 0 early, patching the test
+    runner): the verifier must run tests in a way the candidate can't fake (a nonce sentinel);
+  - a candidate reading the tests it is given: put only what it may see;
+  - a candidate killing its own wrapper: it only ends its own task (exit 137, status
+    NONZERO_EXIT) and forces a reset;
+  - sandbox direct use across turns (`put_files` + `run`, the terminal domain): state and
+    background processes persist between runs by design until `reset()`.
+"""
+
+from __future__ import annotations
+
+import base64
+import enum
+import io
+import json
+import os
+import pwd
+import secrets
+import tarfile
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+DEFAULT_IMAGE = "localhost/reinforge-sandbox-python:bookworm"
+DEFAULT_SANDBOX_USER = "reinforge-sandbox"
+LABEL = "reinforge.sandbox"
+KEEPER_UID = 65534
+# Candidate uids: one per sandbox, inside the rootless user's 65536 sub-uid range.
+CANDIDATE_UID_BASE = 20000
+CANDIDATE_UID_SPAN = 40000
+WRITABLE_DIRS = ("/work", "/tmp", "/var/tmp", "/dev/shm", "/run/reinforge")
+PROTECTED_SHELL = "/usr/local/bin/reinforge-sh"
+"""dash, root-owned, mode 0711 (images of version >= 2): a process that execs a binary it can't
+read is non-dumpable, so the task wrapper can't be ptraced, have its memory written or its
+environment read by candidate processes of the same uid."""
+IMAGE_VERSION_LABEL = "reinforge.sandbox.version"
+STDIN_DIR = "/run/reinforge"  # where stdin is staged (a small tmpfs, wiped by reset)
+
+
+# --------------------------------------------------------------------------- types
+
+
+class Outcome(enum.Enum):
+    """What happened to the candidate's command (its own doing, never the infrastructure's)."""
+
+    OK = "ok"  # exit status 0
+    NONZERO_EXIT = "nonzero_exit"  # an exception, a failed test, a wrong answer, a signal
+    TIMEOUT = "timeout"  # killed at the wall-clock deadline (or RLIMIT_CPU)
+    MEMORY_LIMIT = "memory_limit"  # ran out of its memory limit
+    OUTPUT_LIMIT = "output_limit"  # killed for flooding output far past the cap
+    INPUT_TOO_LARGE = "input_too_large"  # refused before running: argv/stdin/files too big
+
+
+class LimitMechanism(enum.Enum):
+    """How resource limits are enforced for this sandbox."""
+
+    CGROUP = "cgroup+rlimit+timeout"  # cgroup v2: kernel limits per container, plus the rest
+    RLIMIT = "rlimit+timeout"  # cgroup v1 rootless: rlimits inside, wall-clock kill outside
+
+
+class RunResult(msgspec.Struct, frozen=True, kw_only=True):
+    """The outcome of one command in a sandbox."""
+
+    status: Outcome
+    exit_code: int | None
+    """Exit status; 128+N when killed by signal N; None when it never ran."""
+    stdout: bytes
+    """At most `max_output_bytes` of stdout, raw bytes (see `stdout_text`)."""
+    stderr: bytes
+    stdout_bytes: int
+    """How many bytes the command wrote to stdout in all (kept or not)."""
+    stderr_bytes: int
+    duration_s: float
+    """Wall-clock seconds from start to exit (or kill)."""
+    timed_out: bool
+    oom_killed: bool
+    """Ran out of memory: the kernel's OOM killer (cgroup mode), or an allocation failure the
+    runtime reported (rlimit mode: MemoryError / ENOMEM / bad_alloc at the end of stderr)."""
+    output_truncated: bool
+    limits: LimitMechanism
+    image: str
+    detail: str = ""
+    """A human note: why the input was refused, which limit fired."""
+
+    @property
+    def stdout_text(self) -> str:
+        return self.stdout.decode("utf-8", errors="replace")
+
+    @property
+    def stderr_text(self) -> str:
+        return self.stderr.decode("utf-8", errors="replace")
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Outcome.OK
+
+
+class SandboxInfraError(RuntimeError):
+    """The infrastructure failed (Podman API down, image missing, container failed to start,
+    a sandbox that could not be reset). Never the candidate's fault: retry, never reward 0."""
+
+
+class SandboxConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Limits and wiring of one sandbox (all pool sandboxes share one)."""
+
+    image: str = DEFAULT_IMAGE
+    """Image reference; build the default with `reinforge sandbox build-image`."""
+    podman_url: str | None = None
+    """Podman API socket, e.g. unix:///run/user/1001/podman/podman.sock; None: default_podman_url()."""
+    timeout_s: float = 10.0
+    """Default wall-clock limit of one run; the whole container is killed past it."""
+    memory_bytes: int = 512 * 1024**2
+    """Memory of the candidate: per container (cgroup, where available); else per process
+    (RLIMIT_DATA) plus a host-side watchdog on the total RSS of the candidate's uid."""
+    memory_poll_s: float = 0.1
+    """How often the host-side memory watchdog looks (rlimit mode only)."""
+    pids_limit: int = 64
+    """Processes + threads of the candidate (RLIMIT_NPROC on its own uid; cgroup pids too)."""
+    cpus: float = 1.0
+    """CPU share (cgroup quota where available; on cgroup v1 only nice + RLIMIT_CPU)."""
+    work_dir: str = "/work"
+    work_dir_bytes: int = 64 * 1024**2
+    """Size of the /work tmpfs, where files are put and commands run."""
+    tmp_bytes: int = 32 * 1024**2
+    """Size of each of /tmp, /var/tmp and /dev/shm."""
+    file_size_bytes: int = 64 * 1024**2
+    """Largest file the candidate may write (RLIMIT_FSIZE)."""
+    open_files: int = 256
+    """RLIMIT_NOFILE."""
+    max_output_bytes: int = 64 * 1024
+    """Kept bytes of each of stdout and stderr; more is counted, dropped, and flagged."""
+    max_drained_bytes: int = 4 * 1024**2
+    """Past this many bytes of output the command is killed (OUTPUT_LIMIT)."""
+    max_input_bytes: int = 8 * 1024**2
+    """Largest argv + env + stdin + files of one run; more is refused (INPUT_TOO_LARGE)."""
+    api_timeout_s: float = 30.0
+    """Timeout of one Podman API call (not of the command)."""
+    nice: int = 5
+    """Niceness of candidate processes."""
+    labels: dict[str, str] = {}
+    """Extra container labels (e.g. to find one run's containers); `reinforge.sandbox=1` always."""
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "cpus", "api_timeout_s", "memory_poll_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SandboxConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        for name in (
+            "memory_bytes",
+            "pids_limit",
+            "work_dir_bytes",
+            "tmp_bytes",
+            "file_size_bytes",
+            "open_files",
+            "max_output_bytes",
+            "max_input_bytes",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SandboxConfig.{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.max_drained_bytes < self.max_output_bytes:
+            raise ValueError("SandboxConfig.max_drained_bytes must be >= max_output_bytes")
+        if self.work_dir not in ("/work", "/tmp"):
+            raise ValueError(f"SandboxConfig.work_dir must be /work or /tmp, got {self.work_dir!r}")
+        if not 0 <= self.nice <= 19:
+            raise ValueError(f"SandboxConfig.nice must be in 0..19, got {self.nice}")
+
+
+# --------------------------------------------------------------------------- discovery
+
+
+def podman_user() -> str:
+    """The user that runs Podman: the dedicated one when we are root, else ourselves."""
+    if os.geteuid() == 0:
+        return os.environ.get("REINFORGE_SANDBOX_USER", DEFAULT_SANDBOX_USER)
+    return pwd.getpwuid(os.geteuid()).pw_name
+
+
+def default_podman_url() -> str:
+    """Where the Podman API socket is, by the convention of scripts/setup_podman.sh.
+
+    REINFORGE_PODMAN_URL overrides; as root, the socket of the dedicated sandbox user
+    (/run/user/<uid>/podman/podman.sock); as a user, $XDG_RUNTIME_DIR/podman/podman.sock.
+    """
+    url = os.environ.get("REINFORGE_PODMAN_URL")
+    if url:
+        return url
+    if os.geteuid() == 0:
+        user = podman_user()
+        try:
+            uid = pwd.getpwnam(user).pw_uid
+        except KeyError:
+            return f"unix:///run/user/<uid of {user}>/podman/podman.sock"
+        return f"unix:///run/user/{uid}/podman/podman.sock"
+    runtime_dir = os.environ.get("XDG_RUNTIME_DIR") or f"/run/user/{os.geteuid()}"
+    return f"unix://{runtime_dir}/podman/podman.sock"
+
+
+def connect(url: str | None = None, *, timeout_s: float = 30.0):
+    """A podman-py client for `url` (default_podman_url()), checked with a ping.
+
+    Raises SandboxInfraError, saying how to fix it, when the service is not there.
+    """
+    import podman
+
+    url = url or default_podman_url()
+    if url.startswith("unix://") and not os.path.exists(url[len("unix://") :]):
+        raise SandboxInfraError(
+            f"no Podman API socket at {url}: run scripts/setup_podman.sh (as root it creates "
+            "the sandbox user and starts the service), or set REINFORGE_PODMAN_URL"
+        )
+    client = podman.PodmanClient(base_url=url, timeout=timeout_s)
+    try:
+        if not client.ping():
+            raise SandboxInfraError(f"Podman API at {url} did not answer its ping")
+    except SandboxInfraError:
+        raise
+    except Exception as exc:  # requests/podman errors: the service is down
+        raise SandboxInfraError(f"Podman API at {url} is not answering: {exc}") from exc
+    return client
+
+
+def limit_mechanism(client) -> LimitMechanism:
+    """CGROUP where Podman applies cgroup limits (cgroup v2), else RLIMIT."""
+    try:
+        host = client.info().get("host", {})
+    except Exception as exc:
+        raise SandboxInfraError(f"podman info failed: {exc}") from exc
+    return LimitMechanism.CGROUP if host.get("cgroupVersion") == "v2" else LimitMechanism.RLIMIT
+
+
+def host_uid_of(client, uid: int) -> int | None:
+    """The host uid that container uid `uid` maps to (rootless user namespace), if known."""
+    try:
+        maps = client.info()["host"]["idMappings"]["uidmap"] or []
+    except Exception:
+        return None
+    for m in maps:
+        if m["container_id"] <= uid < m["container_id"] + m["size"]:
+            return m["host_id"] + uid - m["container_id"]
+    return None
+
+
+def rss_of_host_uid(host_uid: int) -> int:
+    """Total resident memory (bytes) of the host processes owned by `host_uid`.
+
+    Lean on purpose (it runs every memory_poll_s during a run): one stat per /proc entry,
+    /proc/<pid>/statm only for the matches.
+    """
+    total = 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    with os.scandir("/proc") as it:
+        for entry in it:
+            if not entry.name.isdigit():
+                continue
+            try:
+                if entry.stat().st_uid != host_uid:
+                    continue
+                with open(f"/proc/{entry.name}/statm", "rb") as f:
+                    total += int(f.read().split()[1]) * page
+            except (OSError, IndexError, ValueError):
+                continue
+    return total
+
+
+def make_tar(files: Mapping[str, bytes | str]) -> bytes:
+    """A tar of `files` (relative paths -> contents): dirs 0777 (so reset can wipe them),
+    files 0644, or 0755 when they start with '#!'."""
+    buf = io.BytesIO()
+    dirs: set[str] = set()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, content in files.items():
+            path = os.path.normpath(name)
+            if path.startswith(("/", "..")) or path in (".", ""):
+                raise ValueError(f"file name {name!r} must be a relative path inside the work dir")
+            data = content.encode() if isinstance(content, str) else bytes(content)
+            parts = path.split("/")[:-1]
+            for i in range(1, len(parts) + 1):
+                d = "/".join(parts[:i])
+                if d not in dirs:
+                    dirs.add(d)
+                    info = tarfile.TarInfo(d)
+                    info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o777, int(time.time())
+                    tar.addfile(info)
+            info = tarfile.TarInfo(path)
+            info.size, info.mtime = len(data), int(time.time())
+            info.mode = 0o755 if data.startswith(b"#!") else 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+# --------------------------------------------------------------------------- the sandbox
+
+_MEMORY_MARKERS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc", b"out of memory")
+
+# One task in one exec: reset (kill leftovers, wipe, check), unpack the files and stdin from the
+# environment, print the start marker, run the candidate, kill what it left behind. The marker
+# (a per-run nonce, first on stdout) tells the host that set-up succeeded: without it the
+# failure is the infrastructure's, whatever the exit code.
+# Reset, run as the candidate uid: kill every process of that uid (kill(-1) spares only the
+# caller and PID 1; the keeper and PID 1 run as other uids), until none is left; delete everything
+# in every writable place (making the candidate's own files writable first if needed).
+_RESET_SCRIPT = r"""
+others() {  # is any process of my uid alive, other than me? (kill -0 -1 can't tell: EPERM counts)
+  for p in /proc/[0-9]*; do
+    [ "${p#/proc/}" = "$$" ] && continue
+    while read -r k a b; do
+      [ "$k" = "Uid:" ] && { [ "$a" = "$RF_UID" ] && return 0; break; }
+    done 2>/dev/null <"$p/status"
+  done
+  return 1
+}
+n=0
+while kill -KILL -1 2>/dev/null; others; do
+  n=$((n+1)); [ $n -gt 200 ] && { echo "reinforge: processes left" >&2; exit 1; }
+  sleep 0.01
+done
+D="/work /tmp /var/tmp /dev/shm /run/reinforge"
+find $D -mindepth 1 -delete 2>/dev/null || { chmod -R u+rwX $D 2>/dev/null; find $D -mindepth 1 -delete; } \
+  || { echo "reinforge: could not wipe the writable dirs" >&2; exit 1; }
+"""
+
+_TASK_SCRIPT = (
+    _RESET_SCRIPT
+    + r"""
+UNPACK
+unset RF_UID UNSET
+printf '%s\n' "$RF_MARK"
+( LIMITS cd "$1" || exit 126; shift; exec nice -n NICE "$@" <"$0" )
+st=$?
+kill -KILL -1 2>/dev/null
+printf '\n%s %d\n' "$RF_MARK" "$st"
+exit $st
+"""
+)
+_ENV_CHUNK = 100_000  # < MAX_ARG_STRLEN (128 KiB) per environment string
+MAX_INLINE_BYTES = 900_000  # files + stdin sent through the exec's environment (< ARG_MAX)
+
+
+class Sandbox:
+    """One warm container. Blocking methods; `arun` runs `run` in a trio worker thread.
+
+    Not thread-safe: one task at a time (the pool hands it to one job at a time).
+    """
+
+    def __init__(
+        self,
+        client,
+        container,
+        config: SandboxConfig,
+        *,
+        uid: int,
+        limits: LimitMechanism,
+        shell: str = "/bin/sh",
+        host_uid: int | None = None,
+    ) -> None:
+        self._client = client
+        self.host_uid = host_uid
+        """The candidate's uid as the host sees it: the memory watchdog sums its RSS."""
+        self.shell = shell
+        """The wrapper's shell: PROTECTED_SHELL when the image has it, else /bin/sh (then a
+        candidate could ptrace its own wrapper, see the module docstring)."""
+        self._container = container
+        self.config = config
+        self.uid = uid
+        self.limits = limits
+        self.healthy = True
+        """False once it misbehaved (timeout, flood, failed reset, API error): replace it."""
+        self.dirty = False
+        """True when a task's wrapper did not finish its own clean-up (it was killed): reset()
+        before the next task rather than rely on the reset at the start of run_task."""
+        self.runs = 0
+        self.created_s = time.monotonic()
+        self._stdin_seq = 0
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    @classmethod
+    def start(
+        cls,
+        config: SandboxConfig | None = None,
+        *,
+        client=None,
+        uid: int | None = None,
+        limits: LimitMechanism | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> Sandbox:
+        """Create and start a sandbox container. Raises SandboxInfraError.
+
+        `uid` is the candidate's uid inside (default: a random one in 20000..59999; give each
+        sandbox of a pool its own); `limits` skips asking Podman which mechanism applies.
+        """
+        config = config or SandboxConfig()
+        client = client or connect(config.podman_url, timeout_s=config.api_timeout_s)
+        limits = limits or limit_mechanism(client)
+        if uid is None:
+            uid = CANDIDATE_UID_BASE + secrets.randbelow(CANDIDATE_UID_SPAN)
+        mb = config.memory_bytes
+        # Only core at the container level: runc's exec helper runs as the rootless user itself,
+        # whose threads (the podman service's) would count against an RLIMIT_NPROC here. The
+        # candidate's rlimits are set by the run wrapper, on the candidate's own uid.
+        ulimits = [{"Name": "core", "Soft": 0, "Hard": 0}]
+        tmpfs = lambda target, size, mode: {
+            "type": "tmpfs",
+            "target": target,
+            "source": "tmpfs",
+            "size": str(size),
+            "mode": mode,
+        }
+        kwargs: dict[str, Any] = dict(
+            command=["sleep", "infinity"],
+            name=f"rf-sandbox-{uuid.uuid4().hex[:12]}",
+            labels={LABEL: "1", **config.labels, **(labels or {})},
+            network_mode="none",
+            read_only=True,
+            user=f"{KEEPER_UID}:{KEEPER_UID}",
+            mounts=[
+                tmpfs("/work", config.work_dir_bytes, "0777"),
+                tmpfs("/tmp", config.tmp_bytes, "1777"),
+                tmpfs("/var/tmp", config.tmp_bytes, "1777"),
+                tmpfs(STDIN_DIR, config.max_input_bytes + 65536, "0777"),
+            ],
+            shm_size=config.tmp_bytes,
+            cap_drop=["ALL"],
+            no_new_privileges=True,
+            ulimits=ulimits,
+            init=True,
+            hostname="sandbox",
+            environment={
+                "PATH": "/usr/local/bin:/usr/bin:/bin",
+                "HOME": config.work_dir,
+                "LANG": "C.UTF-8",
+                "TMPDIR": "/tmp",
+                "PYTHONDONTWRITEBYTECODE": "1",
+            },
+            working_dir=config.work_dir,
+        )
+        if limits is LimitMechanism.CGROUP:
+            kwargs.update(
+                mem_limit=mb,
+                memswap_limit=mb,
+                pids_limit=config.pids_limit,
+                nano_cpus=int(config.cpus * 1e9),
+            )
+        try:
+            labels_of_image = client.images.get(config.image).labels or {}
+            version = int(labels_of_image.get(IMAGE_VERSION_LABEL, "0") or 0)
+        except Exception:
+            version = 0  # a missing image is reported by create below
+        shell = PROTECTED_SHELL if version >= 2 else "/bin/sh"
+        try:
+            container = client.containers.create(config.image, **kwargs)
+        except Exception as exc:
+            raise SandboxInfraError(_explain_create_error(config.image, exc)) from exc
+        try:
+            container.start()
+        except Exception as exc:
+            _quiet_remove(container)
+            raise SandboxInfraError(f"sandbox container failed to start: {exc}") from exc
+        host_uid = host_uid_of(client, uid) if limits is LimitMechanism.RLIMIT else None
+        return cls(
+            client, container, config, uid=uid, limits=limits, shell=shell, host_uid=host_uid
+        )
+
+    @property
+    def name(self) -> str:
+        return self._container.name
+
+    def close(self) -> None:
+        """Kill and remove the container (idempotent, never raises)."""
+        self.healthy = False
+        _quiet_remove(self._container)
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # -- files ----------------------------------------------------------------------
+
+    def put_files(self, files: Mapping[str, bytes | str], *, dest: str | None = None) -> None:
+        """Write `files` (relative path -> content) under `dest` (default: the work dir).
+
+        Raises ValueError for a bad or too-large input, SandboxInfraError for API failures.
+        """
+        if not files:
+            return
+        total = sum(len(v) for v in files.values())
+        if total > self.config.max_input_bytes:
+            raise ValueError(
+                f"files total {total} bytes, over max_input_bytes={self.config.max_input_bytes}"
+            )
+        self._put_tar(make_tar(files), dest or self.config.work_dir)
+
+    def _put_tar(self, data: bytes, dest: str) -> None:
+        try:
+            ok = self._container.put_archive(dest, data)
+        except Exception as exc:
+            self.healthy = False
+            raise SandboxInfraError(f"putting files into {self.name}:{dest} failed: {exc}") from exc
+        if not ok:
+            self.healthy = False
+            raise SandboxInfraError(f"Podman refused the files for {self.name}:{dest}")
+
+    # -- running --------------------------------------------------------------------
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        stdin: bytes | str = b"",
+        env: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+        cwd: str | None = None,
+    ) -> RunResult:
+        """Run `argv` as the candidate uid in the work dir; wait for exit or the deadline.
+
+        The candidate's own failures come back as a RunResult (status says which);
+        infrastructure failures raise SandboxInfraError (and mark the sandbox unhealthy).
+        """
+        cfg = self.config
+        timeout_s = cfg.timeout_s if timeout_s is None else float(timeout_s)
+        stdin_b = stdin.encode() if isinstance(stdin, str) else bytes(stdin)
+        env = dict(env or {})
+        refused = self._check_input(argv, stdin_b, env, timeout_s)
+        if refused is not None:
+            return refused
+        stdin_path = "/dev/null"
+        if stdin_b:
+            self._stdin_seq += 1
+            name = f"stdin-{self._stdin_seq}"
+            self._put_tar(make_tar({name: stdin_b}), STDIN_DIR)
+            stdin_path = f"{STDIN_DIR}/{name}"
+        wrapper = [
+            self.shell,
+            "-c",
+            self._limits_prefix(timeout_s)
+            + f'cd "$1" || exit 126; shift; exec nice -n {cfg.nice} "$@" <"$0"',
+            stdin_path,
+            cwd or cfg.work_dir,
+            *argv,
+        ]
+        return self._exec(wrapper, env=env, timeout_s=timeout_s)
+
+    async def arun(self, argv: Sequence[str], *, limiter=None, **kwargs) -> RunResult:
+        """`run` from trio: in a worker thread (bounded by `limiter` if given)."""
+        import functools
+
+        import trio
+
+        return await trio.to_thread.run_sync(
+            functools.partial(self.run, argv, **kwargs), limiter=limiter
+        )
+
+    def run_task(
+        self,
+        files: Mapping[str, bytes | str],
+        argv: Sequence[str],
+        *,
+        stdin: bytes | str = b"",
+        env: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> RunResult:
+        """One self-contained task: reset, put `files`, run `argv` — in a single exec when the
+        files are small (the fast path the pool uses), else reset + put_files + run.
+
+        The state is clean at the start (no process or file of an earlier task); what the task
+        leaves behind is killed when it ends and wiped by the next reset.
+        """
+        cfg = self.config
+        stdin_b = stdin.encode() if isinstance(stdin, str) else bytes(stdin)
+        try:
+            tar = make_tar(files) if files else b""
+        except ValueError as exc:
+            return self.input_too_large(str(exc))
+        if len(tar) + len(stdin_b) > MAX_INLINE_BYTES:
+            self.reset()
+            try:
+                self.put_files(files)
+            except ValueError as exc:
+                return self.input_too_large(str(exc))
+            return self.run(argv, stdin=stdin_b, env=env, timeout_s=timeout_s)
+        timeout_s = cfg.timeout_s if timeout_s is None else float(timeout_s)
+        refused = self._check_input(argv, stdin_b, dict(env or {}), timeout_s)
+        if refused is not None:
+            return refused
+        task_env = dict(env or {})
+        unpack, names = [], ["RF_MARK"]
+        stdin_tar = make_tar({"stdin": stdin_b}) if stdin_b else b""
+        for prefix, blob, dest in (("RF_F", tar, "/work"), ("RF_S", stdin_tar, STDIN_DIR)):
+            if not blob:
+                continue
+            text = base64.b64encode(blob).decode()
+            chunks = [text[i : i + _ENV_CHUNK] for i in range(0, len(text), _ENV_CHUNK)]
+            keys = [f"{prefix}{i}" for i in range(len(chunks))]
+            task_env.update(zip(keys, chunks))
+            names += keys
+            quoted = " ".join(f'"${k}"' for k in keys)
+            unpack.append(
+                f"printf %s {quoted} | base64 -d | tar -x -m -C {dest} "
+                f'|| {{ echo "reinforge: unpacking into {dest} failed" >&2; exit 1; }}'
+            )
+        mark = f"reinforge-{secrets.token_hex(16)}"
+        task_env["RF_MARK"] = mark
+        task_env["RF_UID"] = str(self.uid)
+        stdin_path = f"{STDIN_DIR}/stdin" if stdin_b else "/dev/null"
+        script = (
+            _TASK_SCRIPT.replace("UNPACK", "\n".join(unpack))
+            .replace("UNSET", " ".join(n for n in names if n != "RF_MARK"))
+            .replace("LIMITS ", self._limits_prefix(timeout_s) + "unset RF_MARK; ")
+            .replace("NICE", str(cfg.nice))
+        )
+        wrapper = [self.shell, "-c", script, stdin_path, cfg.work_dir, *argv]
+        return self._exec(wrapper, env=task_env, timeout_s=timeout_s, marker=mark.encode() + b"\n")
+
+    def _check_input(self, argv, stdin_b: bytes, env: dict, timeout_s: float) -> RunResult | None:
+        cfg = self.config
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if isinstance(argv, str) or not argv:
+            raise ValueError(
+                "argv must be a non-empty sequence of strings, e.g. ['python3', 'main.py']"
+            )
+        argv_bytes = sum(len(a) + 1 for a in argv)
+        env_bytes = sum(len(k) + len(v) + 2 for k, v in env.items())
+        in_bytes = len(stdin_b) + argv_bytes + env_bytes
+        # the kernel refuses one argv/env string over 128 KiB (MAX_ARG_STRLEN) and ~2 MiB total
+        if (
+            in_bytes > cfg.max_input_bytes
+            or any(len(a) > 100_000 for a in argv)
+            or argv_bytes + env_bytes > 1_000_000
+        ):
+            return self.input_too_large(
+                f"input of {in_bytes} bytes (argv {argv_bytes}, env {env_bytes}, stdin "
+                f"{len(stdin_b)}) is over the limits (max_input_bytes={cfg.max_input_bytes}, "
+                "argv+env <= 1 MB, one argument <= 100 kB): pass big inputs as files"
+            )
+        return None
+
+    def reset(self) -> None:
+        """Clean state for the next task: kill all candidate processes, wipe all writable dirs.
+
+        Raises SandboxInfraError (and marks the sandbox unhealthy) when it can't be made clean:
+        then close it and start a new one.
+        """
+        if not self.healthy:
+            raise SandboxInfraError(f"sandbox {self.name} is unhealthy: replace it, don't reset it")
+        try:
+            code, out, err = self._exec_simple(
+                [self.shell, "-c", _RESET_SCRIPT + "exit 0\n"],
+                env={"RF_UID": str(self.uid)},
+                timeout_s=10.0,
+            )
+        except SandboxInfraError:
+            self.healthy = False
+            raise
+        self.dirty = code != 0
+        if code != 0:
+            self.healthy = False
+            raise SandboxInfraError(
+                f"sandbox {self.name} could not be reset (exit {code}): "
+                f"{(out + err).decode(errors='replace')[-500:]}"
+            )
+
+    # -- internals --------------------------------------------------------------------
+
+    def _limits_prefix(self, timeout_s: float) -> str:
+        """Shell (dash) that sets the candidate's rlimits, soft = hard, before exec."""
+        cfg = self.config
+        cpu_s = max(1, int(timeout_s) + 1)
+        return (
+            f"ulimit -p {cfg.pids_limit} && ulimit -d {cfg.memory_bytes // 1024} && "
+            f"ulimit -f {cfg.file_size_bytes // 512} && ulimit -n {cfg.open_files} && "
+            f"ulimit -c 0 && ulimit -t {cpu_s} || exit 125; "
+        )
+
+    def input_too_large(self, detail: str) -> RunResult:
+        """The result of a run refused before it started (INPUT_TOO_LARGE)."""
+        return RunResult(
+            status=Outcome.INPUT_TOO_LARGE,
+            exit_code=None,
+            stdout=b"",
+            stderr=b"",
+            stdout_bytes=0,
+            stderr_bytes=0,
+            duration_s=0.0,
+            timed_out=False,
+            oom_killed=False,
+            output_truncated=False,
+            limits=self.limits,
+            image=self.config.image,
+            detail=detail,
+        )
+
+    def _exec_start(self, argv: Sequence[str], env: Mapping[str, str]):
+        api = self._container.client
+        body = {
+            "AttachStdout": True,
+            "AttachStderr": True,
+            "AttachStdin": False,
+            "Tty": False,
+            "Cmd": list(argv),
+            "Env": [f"{k}={v}" for k, v in env.items()],
+            "User": f"{self.uid}:{self.uid}",
+            "WorkingDir": self.config.work_dir,
+        }
+        try:
+            resp = api.post(f"/containers/{self._container.id}/exec", data=json.dumps(body))
+            resp.raise_for_status()
+            exec_id = resp.json()["Id"]
+            start = api.post(
+                f"/exec/{exec_id}/start",
+                data=json.dumps({"Detach": False, "Tty": False}),
+                stream=True,
+                timeout=(self.config.api_timeout_s, None),
+            )
+            start.raise_for_status()
+        except Exception as exc:
+            self.healthy = False
+            raise SandboxInfraError(f"exec in sandbox {self.name} failed to start: {exc}") from exc
+        return exec_id, start
+
+    def _exec_inspect(self, exec_id: str) -> dict:
+        resp = self._container.client.get(f"/exec/{exec_id}/json")
+        resp.raise_for_status()
+        return resp.json()
+
+    def _exec_simple(
+        self, argv, *, env: Mapping[str, str] | None = None, timeout_s: float
+    ) -> tuple[int, bytes, bytes]:
+        """A trusted helper command (reset): small output, the same uid, a deadline."""
+        exec_id, start = self._exec_start(argv, env or {})
+        out, err = bytearray(), bytearray()
+        timer = threading.Timer(timeout_s, self._kill)
+        timer.start()
+        try:
+            for kind, chunk in _frames(start.raw):
+                (out if kind == 1 else err).extend(chunk[: 65536 - len(out)])
+        except Exception as exc:
+            self.healthy = False
+            raise SandboxInfraError(f"reading from sandbox {self.name} failed: {exc}") from exc
+        finally:
+            timer.cancel()
+            start.close()
+        if not self.healthy:
+            raise SandboxInfraError(f"helper command in sandbox {self.name} ran past {timeout_s} s")
+        try:
+            code = self._exec_inspect(exec_id).get("ExitCode")
+        except Exception as exc:
+            self.healthy = False
+            raise SandboxInfraError(f"exec inspect in sandbox {self.name} failed: {exc}") from exc
+        return int(code if code is not None else -1), bytes(out), bytes(err)
+
+    def _kill(self) -> None:
+        """Kill the whole container (the only sure way to stop everything in it)."""
+        self.healthy = False
+        try:
+            self._container.kill(signal=9)
+        except Exception:
+            pass
+
+    def _exec(
+        self, argv, *, env: Mapping[str, str], timeout_s: float, marker: bytes = b""
+    ) -> RunResult:
+        cfg = self.config
+        self.runs += 1
+        t0 = time.monotonic()
+        exec_id, start = self._exec_start(argv, env)
+        fired = {"timeout": False, "flood": False, "memory": False}
+        peak_rss = [0]
+
+        def on_deadline() -> None:
+            fired["timeout"] = True
+            self._kill()
+
+        timer = threading.Timer(timeout_s, on_deadline)
+        timer.start()
+        stop_watch = threading.Event()
+        if self.limits is LimitMechanism.RLIMIT and self.host_uid is not None:
+            # rlimits bound memory per process, not per sandbox: watch the uid's total RSS
+            def watch_memory() -> None:
+                while not stop_watch.wait(cfg.memory_poll_s):
+                    rss = rss_of_host_uid(self.host_uid)
+                    peak_rss[0] = max(peak_rss[0], rss)
+                    if rss > cfg.memory_bytes:
+                        fired["memory"] = True
+                        self._kill()
+                        return
+
+            threading.Thread(target=watch_memory, daemon=True).start()
+        out, err = bytearray(), bytearray()
+        counts = [0, 0, 0]
+        pending_mark = bytearray()  # stdout bytes until the start marker is complete
+        tail = bytearray()  # the last stdout bytes, where the end marker "\n<mark> <status>\n" is
+        tail_keep = len(marker) + 16
+        try:
+            for kind, chunk in _frames(start.raw):
+                kind = 2 if kind == 2 else 1
+                if marker and kind == 1 and len(pending_mark) < len(marker):
+                    need = len(marker) - len(pending_mark)
+                    pending_mark.extend(chunk[:need])
+                    chunk = chunk[need:]
+                    if not chunk:
+                        continue
+                if marker and kind == 1:
+                    tail.extend(chunk)
+                    del tail[:-tail_keep]
+                counts[kind] += len(chunk)
+                buf = out if kind == 1 else err
+                room = cfg.max_output_bytes - len(buf)
+                if room > 0:
+                    buf.extend(chunk[:room])
+                if counts[1] + counts[2] > cfg.max_drained_bytes and not fired["flood"]:
+                    fired["flood"] = True
+                    self._kill()
+        except Exception as exc:
+            if not any(fired.values()):
+                self.healthy = False
+                raise SandboxInfraError(
+                    f"reading output from sandbox {self.name} failed: {exc}"
+                ) from exc
+        finally:
+            timer.cancel()
+            stop_watch.set()
+            start.close()
+        duration_s = time.monotonic() - t0
+        if marker and bytes(pending_mark) != marker and not any(fired.values()):
+            self.healthy = False
+            raise SandboxInfraError(
+                f"task set-up failed in sandbox {self.name}: "
+                f"{bytes(err[-500:]).decode(errors='replace')}"
+            )
+        exit_code: int | None = None
+        end = _end_status(bytes(tail), marker[:-1]) if marker else None
+        if end is not None:  # the wrapper ran to its end and said the status: no inspect call
+            exit_code, end_len = end
+            counts[1] -= end_len
+            keep = min(len(out), counts[1])
+            del out[keep:]
+        else:
+            self.dirty = self.dirty or bool(marker)
+            try:
+                exit_code = self._exec_inspect(exec_id).get("ExitCode")
+            except Exception as exc:
+                if not any(fired.values()):
+                    self.healthy = False
+                    raise SandboxInfraError(
+                        f"exec inspect in sandbox {self.name} failed: {exc}"
+                    ) from exc
+        if (
+            not any(fired.values())
+            and (exit_code is None or exit_code >= 125)
+            and not self._alive()
+        ):
+            # the container died under us and we did not kill it: the candidate can't do that
+            # (PID 1 and the keeper are out of its reach), so it is the infrastructure
+            self.healthy = False
+            raise SandboxInfraError(f"sandbox {self.name} died during the run")
+        timed_out = fired["timeout"]
+        if timed_out or fired["flood"] or fired["memory"]:
+            exit_code = 137 if exit_code in (None, 0, -1) else exit_code
+        tail = bytes(err[-512:])
+        oom = (
+            exit_code not in (0, None) and not timed_out and any(m in tail for m in _MEMORY_MARKERS)
+        )
+        if not timed_out and self.limits is LimitMechanism.CGROUP and exit_code == 137:
+            oom = oom or self._oom_killed()
+        oom = oom or fired["memory"]
+        if (
+            exit_code == 128 + 9
+            and not timed_out
+            and not fired["memory"]
+            and self.limits is LimitMechanism.RLIMIT
+            and duration_s >= timeout_s - 0.05
+        ):
+            timed_out = True  # RLIMIT_CPU ends in SIGKILL after SIGXCPU
+        if exit_code == 128 + 24:  # SIGXCPU: RLIMIT_CPU
+            timed_out = True
+        truncated = counts[1] > cfg.max_output_bytes or counts[2] > cfg.max_output_bytes
+        if timed_out:
+            status = Outcome.TIMEOUT
+        elif fired["flood"]:
+            status = Outcome.OUTPUT_LIMIT
+        elif oom:
+            status = Outcome.MEMORY_LIMIT
+        elif exit_code == 0:
+            status = Outcome.OK
+        else:
+            status = Outcome.NONZERO_EXIT
+        detail = ""
+        if timed_out:
+            detail = f"killed at the {timeout_s:g} s deadline"
+        elif fired["flood"]:
+            detail = f"killed after {counts[1] + counts[2]} bytes of output"
+        elif fired["memory"]:
+            detail = (
+                f"killed by the host memory watchdog: the candidate's processes held "
+                f"{peak_rss[0]} bytes, over memory_bytes={cfg.memory_bytes}"
+            )
+        return RunResult(
+            status=status,
+            exit_code=exit_code,
+            stdout=bytes(out),
+            stderr=bytes(err),
+            stdout_bytes=counts[1],
+            stderr_bytes=counts[2],
+            duration_s=duration_s,
+            timed_out=timed_out,
+            oom_killed=oom,
+            output_truncated=truncated,
+            limits=self.limits,
+            image=cfg.image,
+            detail=detail,
+        )
+
+    def _alive(self) -> bool:
+        try:
+            self._container.reload()
+            return self._container.status == "running"
+        except Exception:
+            return False
+
+    def _oom_killed(self) -> bool:
+        try:
+            self._container.reload()
+            return bool(self._container.attrs.get("State", {}).get("OOMKilled"))
+        except Exception:
+            return False
+
+
+def _end_status(tail: bytes, mark: bytes) -> tuple[int, int] | None:
+    """(status, length) of the end marker b"\\n<mark> <status>\\n" at the end of stdout, if there."""
+    at = tail.rfind(b"\n" + mark + b" ")
+    if at < 0 or not tail.endswith(b"\n"):
+        return None
+    digits = tail[at + len(mark) + 2 : -1]
+    if not digits.isdigit():
+        return None
+    return int(digits), len(tail) - at
+
+
+def _frames(raw):
+    """(stream, chunk) pairs from a multiplexed exec stream, in bounded chunks."""
+    while True:
+        header = _read_exact(raw, 8)
+        if len(header) < 8:
+            return
+        kind = header[0]
+        remaining = int.from_bytes(header[4:8], "big")
+        while remaining:
+            chunk = raw.read(min(remaining, 65536))
+            if not chunk:
+                return
+            remaining -= len(chunk)
+            yield kind, chunk
+
+
+def _read_exact(raw, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = raw.read(n - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _quiet_remove(container) -> None:
+    """Remove a container, killing it first; retried (a just-killed one may still be stopping)."""
+    for attempt in range(10):
+        try:
+            container.remove(force=True)
+            return
+        except Exception as exc:
+            if "no such container" in str(exc).lower() or type(exc).__name__ == "NotFound":
+                return
+            time.sleep(0.1 * (attempt + 1))
+
+
+def _explain_create_error(image: str, exc: Exception) -> str:
+    text = str(exc)
+    if (
+        "image not known" in text
+        or "ImageNotFound" in type(exc).__name__
+        or "no such image" in text.lower()
+    ):
+        return (
+            f"sandbox image {image} is missing: run `reinforge sandbox build-image` "
+            f"(or scripts/setup_podman.sh) ({text})"
+        )
+    return f"sandbox container could not be created from {image}: {text}"

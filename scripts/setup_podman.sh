@@ -1,0 +1,183 @@
+#!/usr/bin/env bash
+# Set up rootless Podman for reinforge's sandboxes. Idempotent: a second run takes seconds.
+#
+# As root (CI, fresh Debian 12): installs podman + runc + uidmap + slirp4netns + fuse-overlayfs
+# (+ debootstrap for the offline image), creates the unprivileged user that runs Podman
+# ($REINFORGE_SANDBOX_USER, default "reinforge-sandbox"), configures its runtime (runc only where
+# crun refuses, i.e. hybrid/v1 cgroups) and storage (overlay), starts `podman system service`
+# as that user in the background, and builds (or reuses) the default sandbox image.
+# As an ordinary user: installs nothing; checks, configures that user's own Podman, starts the
+# service and builds the image, and says what is missing.
+#
+# Socket convention (read by reinforge.envs.sandbox.default_podman_url):
+#   /run/user/<uid of the podman user>/podman/podman.sock  (REINFORGE_PODMAN_URL overrides)
+set -euo pipefail
+
+SANDBOX_USER="${REINFORGE_SANDBOX_USER:-reinforge-sandbox}"
+IMAGE="${REINFORGE_SANDBOX_IMAGE:-localhost/reinforge-sandbox-python:bookworm}"
+PULL_IMAGE="${REINFORGE_PULL_IMAGE:-docker.io/library/python:3.11-slim}"
+CACHE_DIR="${REINFORGE_IMAGE_CACHE:-/var/cache/reinforge}"
+log() { printf 'setup_podman: %s\n' "$*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+
+if [ "$(id -u)" -eq 0 ]; then
+    AS_ROOT=1
+else
+    AS_ROOT=0
+    SANDBOX_USER="$(id -un)"
+    CACHE_DIR="${REINFORGE_IMAGE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/reinforge}"
+fi
+
+# --- 1. packages ---------------------------------------------------------------------------
+need_pkgs=()
+for pair in podman:podman runc:runc newuidmap:uidmap slirp4netns:slirp4netns \
+            fuse-overlayfs:fuse-overlayfs catatonit:catatonit debootstrap:debootstrap; do
+    cmd="${pair%%:*}"; pkg="${pair##*:}"
+    command -v "$cmd" >/dev/null 2>&1 || [ -x "/usr/sbin/$cmd" ] || [ -x "/usr/libexec/podman/$cmd" ] || need_pkgs+=("$pkg")
+done
+if [ "${#need_pkgs[@]}" -gt 0 ]; then
+    if [ "$AS_ROOT" -eq 1 ]; then
+        log "installing ${need_pkgs[*]}"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -qq
+        apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" >/dev/null
+    else
+        for p in "${need_pkgs[@]}"; do
+            [ "$p" = debootstrap ] && continue  # only needed to build the image offline
+            die "missing package $p: ask an administrator to run 'apt-get install ${need_pkgs[*]}'"
+        done
+    fi
+fi
+
+# --- 2. the user that runs Podman ------------------------------------------------------------
+if [ "$AS_ROOT" -eq 1 ]; then
+    if ! id "$SANDBOX_USER" >/dev/null 2>&1; then
+        log "creating user $SANDBOX_USER"
+        useradd -m -s /bin/bash "$SANDBOX_USER"
+    fi
+    for f in /etc/subuid /etc/subgid; do
+        grep -q "^$SANDBOX_USER:" "$f" 2>/dev/null || {
+            # useradd normally adds these; pick a free 65536 range past the highest one
+            last=$(awk -F: '{e=$2+$3} e>m{m=e} END{print m+0}' "$f" 2>/dev/null || echo 0)
+            start=$(( last > 100000 ? last : 100000 ))
+            echo "$SANDBOX_USER:$start:65536" >>"$f"
+        }
+    done
+fi
+SB_UID="$(id -u "$SANDBOX_USER")"
+SB_HOME="$(getent passwd "$SANDBOX_USER" | cut -d: -f6)"
+RUNDIR="/run/user/$SB_UID"
+if [ "$AS_ROOT" -eq 1 ]; then
+    install -d -m 0700 -o "$SANDBOX_USER" -g "$(id -gn "$SANDBOX_USER")" "$RUNDIR"
+else
+    RUNDIR="${XDG_RUNTIME_DIR:-$RUNDIR}"
+    [ -d "$RUNDIR" ] && [ -w "$RUNDIR" ] || die "XDG_RUNTIME_DIR $RUNDIR is missing or not writable (log in through systemd-logind, or export XDG_RUNTIME_DIR to a private 0700 dir)"
+fi
+grep -q "^$SANDBOX_USER:" /etc/subuid 2>/dev/null \
+    || die "no /etc/subuid entry for $SANDBOX_USER: ask an administrator to run 'usermod --add-subuids 100000-165535 --add-subgids 100000-165535 $SANDBOX_USER'"
+
+# run a command as the podman user, with its runtime dir
+as_user() {
+    if [ "$AS_ROOT" -eq 1 ]; then
+        runuser -u "$SANDBOX_USER" -- env -i HOME="$SB_HOME" USER="$SANDBOX_USER" \
+            PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+            XDG_RUNTIME_DIR="$RUNDIR" "$@"
+    else
+        env XDG_RUNTIME_DIR="$RUNDIR" "$@"
+    fi
+}
+
+# --- 3. runtime and storage config -------------------------------------------------------------
+CONF_DIR="$SB_HOME/.config/containers"
+as_user mkdir -p "$CONF_DIR"
+if [ "$(stat -fc %T /sys/fs/cgroup)" != "cgroup2fs" ]; then
+    # hybrid or v1 cgroups: crun refuses ("cgroups in hybrid mode not supported"); runc works
+    if ! grep -qs 'runtime *= *"runc"' "$CONF_DIR/containers.conf"; then
+        log "cgroups are not pure v2: setting runtime = \"runc\" for $SANDBOX_USER"
+        as_user sh -c "printf '[engine]\nruntime = \"runc\"\n' > '$CONF_DIR/containers.conf'"
+    fi
+fi
+if ! grep -qs 'driver *= *"overlay"' "$CONF_DIR/storage.conf"; then
+    log "setting the overlay storage driver for $SANDBOX_USER"
+    as_user sh -c "printf '[storage]\ndriver = \"overlay\"\n' > '$CONF_DIR/storage.conf'"
+    if as_user podman info --format '{{.Store.GraphDriverName}}' 2>/dev/null | grep -q vfs; then
+        as_user podman system reset -f >/dev/null 2>&1 || true
+    fi
+fi
+
+# --- 4. the API service -------------------------------------------------------------------------
+SOCK="$RUNDIR/podman/podman.sock"
+service_up() {
+    [ -S "$SOCK" ] && curl -fsS --max-time 3 --unix-socket "$SOCK" http://d/_ping >/dev/null 2>&1
+}
+if ! command -v curl >/dev/null 2>&1; then
+    service_up() { [ -S "$SOCK" ] && as_user podman --url "unix://$SOCK" version >/dev/null 2>&1; }
+fi
+if ! service_up; then
+    log "starting podman system service at $SOCK"
+    as_user mkdir -p "$RUNDIR/podman"
+    rm -f "$SOCK"
+    as_user setsid nohup podman system service --time=0 "unix://$SOCK" \
+        >"$RUNDIR/podman/service.log" 2>&1 </dev/null &
+    for _ in $(seq 1 100); do service_up && break; sleep 0.1; done
+    service_up || die "podman system service did not come up; see $RUNDIR/podman/service.log"
+fi
+# root reaches the socket through its parent dirs (0700, owned by the podman user): root bypasses
+# file modes, so nothing to open up here.
+
+# --- 5. the default image -----------------------------------------------------------------------
+# The image carries /usr/local/bin/reinforge-sh: a copy of dash, root-owned, mode 0711. A process
+# that execs a binary it can't read is non-dumpable, so the task wrapper that runs as the
+# candidate's uid can't be ptraced, have its memory written or its environment read by the
+# candidate's (or a previous task's) processes. IMAGE_VERSION marks images that have it.
+IMAGE_VERSION=2
+image_version() {
+    as_user podman image inspect --format '{{index .Labels "reinforge.sandbox.version"}}' "$IMAGE" 2>/dev/null || true
+}
+CHANGES=(--change 'CMD ["/bin/sh"]' --change "LABEL reinforge.sandbox.version=$IMAGE_VERSION")
+if [ "$(image_version)" = "$IMAGE_VERSION" ]; then
+    log "image $IMAGE already present"
+else
+    built=0
+    if [ "${REINFORGE_OFFLINE:-0}" != 1 ] && as_user timeout 60 podman pull -q "$PULL_IMAGE" >/dev/null 2>&1; then
+        CTX="$(as_user mktemp -d)"
+        as_user sh -c "printf '%s\n' 'FROM $PULL_IMAGE' \
+            'RUN cp \"\$(readlink -f /bin/sh)\" /usr/local/bin/reinforge-sh && chmod 0711 /usr/local/bin/reinforge-sh' \
+            'LABEL reinforge.sandbox.version=$IMAGE_VERSION' > '$CTX/Containerfile'"
+        if as_user podman build -q --network=none -t "$IMAGE" "$CTX" >/dev/null; then
+            built=1 && log "pulled $PULL_IMAGE and built $IMAGE from it"
+        fi
+        as_user rm -rf "$CTX"
+    fi
+    if [ "$built" -eq 0 ]; then
+        TARBALL="$CACHE_DIR/rootfs-bookworm-python3.tar"
+        mkdir -p "$CACHE_DIR"
+        if [ ! -s "$TARBALL" ]; then
+            command -v debootstrap >/dev/null 2>&1 || [ -x /usr/sbin/debootstrap ] \
+                || die "no registry reachable and no debootstrap to build $IMAGE offline: install debootstrap (as root) or set REINFORGE_PULL_IMAGE to a reachable image"
+            [ "$AS_ROOT" -eq 1 ] || die "building $IMAGE offline needs root (debootstrap); run this script once as root, or import a rootfs tarball at $TARBALL"
+            ROOTFS="$(mktemp -d "$CACHE_DIR/rootfs.XXXXXX")"
+            log "building $IMAGE offline with debootstrap (about 40 s)"
+            PATH="$PATH:/usr/sbin:/sbin" debootstrap --variant=minbase --include=python3 \
+                bookworm "$ROOTFS" "${REINFORGE_DEBIAN_MIRROR:-http://deb.debian.org/debian}" >/dev/null
+            rm -rf "$ROOTFS"/var/cache/apt/archives/*.deb "$ROOTFS"/var/lib/apt/lists/*
+            tar -C "$ROOTFS" -cf "$TARBALL.tmp" .
+            mv "$TARBALL.tmp" "$TARBALL"
+            rm -rf "$ROOTFS"
+        fi
+        if ! tar -tf "$TARBALL" ./usr/local/bin/reinforge-sh >/dev/null 2>&1; then
+            EXTRA="$(mktemp -d)"
+            mkdir -p "$EXTRA/usr/local/bin"
+            tar -C "$EXTRA" -xf "$TARBALL" ./usr/bin/dash
+            install -m 0711 "$EXTRA/usr/bin/dash" "$EXTRA/usr/local/bin/reinforge-sh"
+            tar -C "$EXTRA" --owner=0 --group=0 -rf "$TARBALL" ./usr/local/bin/reinforge-sh
+            rm -rf "$EXTRA"
+        fi
+        log "importing $TARBALL as $IMAGE"
+        # the podman user can't read root's cache dir: stream the tarball through stdin
+        as_user podman import -q "${CHANGES[@]}" - "$IMAGE" <"$TARBALL" >/dev/null
+    fi
+fi
+[ "$(image_version)" = "$IMAGE_VERSION" ] || die "image $IMAGE missing or without the reinforge-sh wrapper after the build"
+log "ready: user=$SANDBOX_USER url=unix://$SOCK image=$IMAGE"
+echo "unix://$SOCK"
