@@ -199,7 +199,8 @@ class ActorContext:
         )
         key = f"{stream_seq}" if stream_seq else uuid.uuid5(uuid.NAMESPACE_OID, repr(data)).hex
         await self.bus.publish_durable(
-            subjects.dlq(self.run), letter, msg_id=f"dlq:{self.actor_type}:{subject}:{key}"
+            subjects.dlq(self.run), letter, msg_id=f"dlq:{self.actor_type}:{subject}:{key}",
+            headers=self._origin,
         )
 
     @contextlib.contextmanager

@@ -25,7 +25,7 @@ def register(subparsers: Any) -> None:
                      help="allow a NATS server without credentials (a URL in --creds)")
     run.set_defaults(func=cmd_actor_run)
 
-    for name in ("up", "down", "status", "top", "attach", "log", "replay"):
+    for name in ("up", "status", "log"):
         _register_optional(subparsers, name)
 
 

@@ -217,6 +217,13 @@ class StatusReport(_Msg, frozen=True, tag="status/1"):
     alerts: list[str] = []
 
 
+class CommandReply(_Msg, frozen=True, tag="reply/1"):
+    """The answer to a control request (e.g. attach): did it work, and what happened."""
+
+    ok: bool
+    text: str = ""
+
+
 Message = Union[
     Task,
     Rollout,
@@ -233,6 +240,7 @@ Message = Union[
     Stop,
     StatusQuery,
     StatusReport,
+    CommandReply,
 ]
 
 MESSAGE_TYPES: tuple[type, ...] = Message.__args__  # type: ignore[attr-defined]

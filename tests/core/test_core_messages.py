@@ -26,6 +26,7 @@ def sample_messages() -> list:
         m.AttachRequest(spec="pkg.mod:Class", replicas=2),
         m.Stop(reason="done"),
         m.StatusQuery(),
+        m.CommandReply(ok=True, text="started 1 x echo"),
         m.StatusReport(run="r", supervisor_pid=1, actors=[m.ActorStatus(
             heartbeat=m.Heartbeat(actor_id="a", actor_type="echo", host="h", pid=1,
                                   started_at=0.0), last_seen=1.0, flags=["late"])]),
