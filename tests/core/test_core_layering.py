@@ -1,0 +1,51 @@
+"""The layering invariants of ARCHITECTURE.md, checked on the source."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent.parent
+LOWER_LAYERS = {"actors", "envs", "kernels", "engine"}
+
+
+def imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+    return out
+
+
+def test_core_imports_nothing_from_the_layers_above_it():
+    offenders = []
+    for path in sorted((ROOT / "core").glob("*.py")):
+        for mod in imported_modules(path):
+            parts = mod.split(".")
+            if parts[0] == "reinforge" and len(parts) > 1 and parts[1] in LOWER_LAYERS:
+                offenders.append(f"{path.name} imports {mod}")
+    assert offenders == []
+
+
+def test_kernels_and_engine_do_not_import_actors():
+    offenders = []
+    for folder in ("kernels", "engine", "envs"):
+        for path in sorted((ROOT / folder).glob("*.py")):
+            for mod in imported_modules(path):
+                if mod.startswith("reinforge.actors"):
+                    offenders.append(f"{folder}/{path.name} imports {mod}")
+    assert offenders == []
+
+
+def test_no_actor_module_imports_another_actor_module_only_messages_and_subjects():
+    actor_modules = {"sampler", "verifier", "learner", "scheduler", "evaluator", "monitor"}
+    offenders = []
+    for path in sorted((ROOT / "actors").glob("*.py")):
+        if path.stem not in actor_modules:
+            continue
+        for mod in imported_modules(path):
+            parts = mod.split(".")
+            if mod.startswith("reinforge.actors.") and parts[2] in actor_modules - {path.stem}:
+                offenders.append(f"actors/{path.name} imports {mod}")
+    assert offenders == []
