@@ -107,8 +107,8 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """How often the actor publishes a heartbeat (the watchdog's clock)."""
     drain_timeout_s: float = 10.0
     """On stop, how long in-flight work may run before it is nak'ed for redelivery."""
-    stream_max_bytes: int = 4 << 30
-    """Byte cap of the run's stream (DiscardNew: publishers see an error past it)."""
+    stream_max_bytes: int = -1
+    """Byte cap of the run's stream (-1: the server's store limit; past it publishes fail)."""
 
 
 class Ticket:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -314,9 +315,18 @@ class Bus:
     # -- JetStream management and pull consumers ---------------------------------------------
 
     async def ensure_run_stream(
-        self, run: str, *, max_bytes: int = 4 << 30, duplicate_window_s: float = 600.0
+        self,
+        run: str,
+        *,
+        max_bytes: int = 4 << 30,
+        duplicate_window_s: float = 600.0,
+        replicas: int = 1,
     ) -> str:
-        """Create (or update) the run's stream: the work queue and the message log at once."""
+        """Create (or update) the run's stream: the work queue and the message log at once.
+
+        `replicas` > 1 needs a NATS cluster (core/natscluster.py). An existing stream never
+        loses replicas here: an actor's R1 default must not scale down an R3 stream.
+        """
         name = subjects.stream_name(run)
         config = js_api.StreamConfig(
             name=name,
@@ -327,14 +337,18 @@ class Bus:
             discard=js_api.DiscardPolicy.NEW,
             max_bytes=max_bytes,
             duplicate_window=duplicate_window_s,
-            num_replicas=1,
+            num_replicas=replicas,
         )
 
         async def ensure() -> None:
             try:
                 await self._js.add_stream(config)
             except nats.js.errors.BadRequestError:
-                await self._js.update_stream(config)
+                info = await self._js.stream_info(name)
+                have = info.config.num_replicas or 1
+                await self._js.update_stream(
+                    dataclasses.replace(config, num_replicas=max(have, replicas))
+                )
 
         await self.aio(ensure)()
         return name
@@ -658,7 +672,7 @@ async def _open_bus(
         nc = None
         with trio.move_on_after(connect_timeout_s):
             nc = await aio_as_trio(nats.connect, loop=loop)(
-                servers=[creds.with_auth_url()],
+                servers=creds.auth_urls(),
                 name=name,
                 ping_interval=ping_interval_s,
                 max_outstanding_pings=3,

@@ -81,6 +81,7 @@ class Rollout(_Msg, frozen=True, tag="rollout/1"):
     group_size: int = 1
     timings: Timings = Timings()
     purpose: str = "train"
+    loss_mask: list[int] = []  # per output token: 1 = the policy's, 0 = environment text
 
 
 class Check(msgspec.Struct, frozen=True, kw_only=True):

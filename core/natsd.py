@@ -35,12 +35,19 @@ class NatsCredentials(msgspec.Struct, frozen=True, kw_only=True):
     user: str = ""
     password: str = ""
     monitor_url: str = ""
+    extra_urls: list[str] = []
+    """More servers of the same cluster (same credentials), tried when `url` is unreachable."""
 
-    def with_auth_url(self) -> str:
+    def with_auth_url(self, url: str = "") -> str:
+        url = url or self.url
         if not self.user:
-            return self.url
-        scheme, rest = self.url.split("://", 1)
+            return url
+        scheme, rest = url.split("://", 1)
         return f"{scheme}://{self.user}:{self.password}@{rest}"
+
+    def auth_urls(self) -> list[str]:
+        """Every server URL with the credentials in it (what nats-py's `servers=` takes)."""
+        return [self.with_auth_url(u) for u in [self.url, *self.extra_urls]]
 
     def write(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
