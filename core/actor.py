@@ -498,7 +498,7 @@ class _Runner:
                 async with trio.open_nursery() as handlers:
                     with intake.scope():
                         while True:
-                            while free == 0:
+                            while free <= 0:  # a fetch may return late extras
                                 await slot_freed.wait()
                                 slot_freed = trio.Event()
                             with ctx.waiting(f"messages on {inp.subject}"):

@@ -523,6 +523,12 @@ class PullConsumer:
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
             await trio.sleep(min(timeout_s, 0.5))
             return []
+        except (nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError):
+            # In a cluster the consumer has no leader for a moment: just created, an
+            # election, or this node is cut off from the quorum. Nothing to fetch yet.
+            self._bus.count("fetch_unavailable")
+            await trio.sleep(min(timeout_s, 0.5))
+            return []
         out = []
         for m in msgs:
             md = m.metadata
@@ -673,6 +679,8 @@ async def _open_bus(
         with trio.move_on_after(connect_timeout_s):
             nc = await aio_as_trio(nats.connect, loop=loop)(
                 servers=creds.auth_urls(),
+                # In order: a host's credentials list its nearest cluster node first.
+                dont_randomize=True,
                 name=name,
                 ping_interval=ping_interval_s,
                 max_outstanding_pings=3,

@@ -36,30 +36,35 @@ def default_cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "reinforge" / "kernels"
 
 
+# TVM pins its pool threads (the calling thread included) to cores by default; that
+# shrinks this process's CPU affinity for torch and for later thread-count choices, and
+# fights torch's own pool. Unpinned unless the user says otherwise.
+os.environ.setdefault("TVM_BIND_THREADS", "0")
+_CPUS_AT_IMPORT = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+# TVM sizes its pool once, at import (default: half the cores on x86), and can lower it
+# later but never raise it: start at every usable CPU, and let configure_threads() lower.
+os.environ.setdefault("TVM_NUM_THREADS", str(len(_CPUS_AT_IMPORT) or os.cpu_count() or 1))
+
+
 def available_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    """CPUs this process may use, as they were before TVM could pin any thread."""
+    return len(_CPUS_AT_IMPORT) or os.cpu_count() or 1
 
 
 def configure_threads(num_threads: int | None) -> int:
     """Set TVM's CPU thread pool to `num_threads` (default: every CPU this process may use)
     and return the count in effect. Before `import tvm` this sets TVM_NUM_THREADS; after, it
-    reconfigures the running pool."""
-    import sys
+    reconfigures the running pool. TVM 0.27 can lower a running pool but not raise it again
+    (measured): the first count a process uses is its ceiling."""
 
     n = num_threads or available_cpus()
     if n < 1:
         raise ValueError(f"num_threads must be >= 1, got {n}")
-    if "tvm" not in sys.modules:
-        os.environ["TVM_NUM_THREADS"] = str(n)
     import tvm
 
     if tvm.runtime.num_threads() != n:
         # mode -3: n threads sharing the given CPUs; modes 0/1 can only lower the count.
-        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        cpu_list = [str(c) for c in (cpus or range(n))]
+        cpu_list = [str(c) for c in (_CPUS_AT_IMPORT or range(n))]
         tvm.get_global_func("runtime.config_threadpool")(-3, n, cpu_list)
     return int(tvm.runtime.num_threads())
 

@@ -19,6 +19,9 @@ COMMAND_MODULES = (
     "reinforge.kernels.cli",
     "reinforge.engine.cli",
     "reinforge.actors.cli",
+    "reinforge.actors.eval_cli",
+    "reinforge.actors.report_cli",
+    "reinforge.actors.demo",
 )
 
 

@@ -1,0 +1,327 @@
+"""The scheduler's decisions as pure logic: tiers, pass rates, domain mixing, flow control.
+
+Nothing here touches the bus or the clock; the scheduler actor feeds outcomes in and asks
+what to issue next. Every rule is written in its docstring and tested on hand-made data
+(tests/actors/test_actors_curriculum.py).
+
+The signal rule (GRPO): a group of G samples teaches only when its rewards differ. If a
+task passes with probability p, the chance that a group carries signal is
+`1 - p**G - (1-p)**G` (`informative_probability`), largest at p = 0.5. The curriculum
+therefore keeps each domain at the tier whose recent pass rate is in the informative band,
+explores the neighbouring tiers in proportion to their predicted signal, and, for recurring
+tasks, picks the task by its own posterior: all decided BEFORE sampling, instead of
+generating groups and throwing away the all-pass and all-fail ones afterwards (DAPO's
+dynamic sampling).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping
+
+import msgspec
+
+
+def informative_probability(p: float, group_size: int) -> float:
+    """P(a group of `group_size` Bernoulli(p) samples is neither all-pass nor all-fail)."""
+    if group_size < 2:
+        return 0.0
+    p = min(1.0, max(0.0, p))
+    return 1.0 - p**group_size - (1.0 - p) ** group_size
+
+
+def group_is_informative(rewards: list[float]) -> bool:
+    """A group carries learning signal when at least two rewards differ (GRPO advantage != 0)."""
+    return len(rewards) >= 2 and max(rewards) != min(rewards)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al. 2021, eq. 1):
+    1 - C(n-c, k) / C(n, k), computed as a stable product. Needs k <= n."""
+    if not 0 <= c <= n:
+        raise ValueError(f"pass_at_k: need 0 <= c <= n, got c={c}, n={n}")
+    if not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: need 1 <= k <= n, got k={k}, n={n}")
+    if n - c < k:
+        return 1.0
+    prod = 1.0
+    for i in range(n - c + 1, n + 1):
+        prod *= 1.0 - k / i
+    return 1.0 - prod
+
+
+# ----------------------------------------------------------------------------- curriculum
+
+
+class CurriculumConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How tiers move and how a tier is chosen for the next task."""
+
+    start_tier: int = 0
+    """The tier a new domain starts at (clipped to the domain's tiers)."""
+    promote_above: float = 0.8
+    """Move the domain up a tier when its current tier's recent pass rate is above this."""
+    demote_below: float = 0.2
+    """Move it down a tier when the recent pass rate is below this."""
+    window_groups: int = 8
+    """Groups remembered per (domain, tier): the rates are over this sliding window."""
+    min_groups: int = 4
+    """Groups at the level since the last move before the domain may move again."""
+    explore: float = 0.1
+    """Probability of issuing a task at a neighbour tier (level-1 or level+1) instead."""
+    prior_pass_rate: float = 0.5
+    """Predicted pass rate of a tier nothing is known about, with no observed neighbour."""
+    tier_step: float = 0.3
+    """Prior guess of how much the pass rate drops per tier harder (for unseen tiers)."""
+    prior_groups: float = 1.0
+    """Weight of the prior in a tier's predicted rate (pseudo-groups of shrinkage)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.demote_below < self.promote_above <= 1.0:
+            raise ValueError(
+                "CurriculumConfig: need 0 <= demote_below < promote_above <= 1, got "
+                f"{self.demote_below} and {self.promote_above}"
+            )
+        if self.window_groups < 1 or not 1 <= self.min_groups <= self.window_groups:
+            raise ValueError(
+                "CurriculumConfig: need 1 <= min_groups <= window_groups, got "
+                f"min_groups={self.min_groups}, window_groups={self.window_groups}"
+            )
+        if not 0.0 <= self.explore <= 1.0:
+            raise ValueError(f"CurriculumConfig.explore must be in [0, 1], got {self.explore}")
+
+
+class DomainCurriculumState(msgspec.Struct, kw_only=True):
+    """What a domain's curriculum remembers (persisted with the scheduler's state)."""
+
+    n_tiers: int
+    level: int = 0
+    windows: dict[int, list[float]] = {}
+    """Recent group pass rates per tier, oldest first (at most window_groups)."""
+    groups_since_move: int = 0
+    moves: int = 0
+    issued_by_tier: dict[int, int] = {}
+
+
+class DomainCurriculum:
+    """One domain's difficulty level, kept where its groups carry signal.
+
+    Rules:
+      * record(tier, rate): append the group's pass rate to that tier's window. Only groups
+        at the level count towards a move.
+      * adapt: once `min_groups` groups at the level were recorded since the last move,
+        promote (level+1) if the level's window mean is above `promote_above`, demote
+        (level-1) if below `demote_below`. The level thus stays where the pass rate is in
+        [demote_below, promote_above], i.e. where `informative_probability` is high (at
+        G=8 and the defaults, >= 0.83), so groups are aimed at the signal before sampling.
+      * choose_tier: the level; with probability `explore` a neighbour (level +- 1) instead,
+        weighted by `informative_probability(predicted, G) + 0.05`, so the rates of the
+        tiers around the level stay known.
+      * predicted(tier): the window mean shrunk towards a prior (`prior_groups`
+        pseudo-groups); the prior extrapolates from the nearest other observed tier by
+        `tier_step` per tier, else it is `prior_pass_rate`.
+    """
+
+    def __init__(self, config: CurriculumConfig, state: DomainCurriculumState) -> None:
+        self.config = config
+        self.state = state
+
+    @classmethod
+    def new(cls, config: CurriculumConfig, n_tiers: int) -> DomainCurriculum:
+        if n_tiers < 1:
+            raise ValueError(f"a domain needs at least one tier, got {n_tiers}")
+        level = min(max(config.start_tier, 0), n_tiers - 1)
+        return cls(config, DomainCurriculumState(n_tiers=n_tiers, level=level))
+
+    @property
+    def level(self) -> int:
+        return self.state.level
+
+    def band(self) -> list[int]:
+        lv, n = self.state.level, self.state.n_tiers
+        return [t for t in (lv - 1, lv, lv + 1) if 0 <= t < n]
+
+    def window(self, tier: int) -> list[float]:
+        return self.state.windows.get(tier, [])
+
+    def observed_rate(self, tier: int) -> float | None:
+        w = self.window(tier)
+        return sum(w) / len(w) if w else None
+
+    def predicted(self, tier: int) -> float:
+        """The tier's window mean, shrunk towards a prior drawn from the other tiers."""
+        w = self.window(tier)
+        m = self.config.prior_groups
+        return (sum(w) + m * self._prior(tier)) / (len(w) + m)
+
+    def _prior(self, tier: int) -> float:
+        """Extrapolate from the nearest other observed tier (`tier_step` per tier harder)."""
+        cfg = self.config
+        others = [t for t in range(self.state.n_tiers) if t != tier and self.window(t)]
+        if not others:
+            return cfg.prior_pass_rate
+        near = min(others, key=lambda t: (abs(t - tier), t))
+        guess = self.observed_rate(near) - cfg.tier_step * (tier - near)  # type: ignore[operator]
+        return min(0.98, max(0.02, guess))
+
+    def choose_tier(self, rng: random.Random, group_size: int) -> int:
+        tier = self.state.level
+        neighbours = [t for t in self.band() if t != tier]
+        if neighbours and rng.random() < self.config.explore:
+            weights = [informative_probability(self.predicted(t), group_size) + 0.05
+                       for t in neighbours]
+            tier = rng.choices(neighbours, weights=weights, k=1)[0]
+        self.state.issued_by_tier[tier] = self.state.issued_by_tier.get(tier, 0) + 1
+        return tier
+
+    def record(self, tier: int, pass_rate: float) -> int:
+        """Add one group's pass rate; return the move made (+1, -1 or 0)."""
+        if not 0 <= tier < self.state.n_tiers:
+            raise ValueError(f"tier {tier} outside 0..{self.state.n_tiers - 1}")
+        w = self.state.windows.setdefault(tier, [])
+        w.append(min(1.0, max(0.0, pass_rate)))
+        del w[: max(0, len(w) - self.config.window_groups)]
+        if tier != self.state.level:
+            return 0
+        self.state.groups_since_move += 1
+        return self._adapt()
+
+    def _adapt(self) -> int:
+        cfg, st = self.config, self.state
+        if st.groups_since_move < cfg.min_groups:
+            return 0
+        w = self.window(st.level)
+        rate = sum(w) / len(w)
+        move = 0
+        if rate > cfg.promote_above and st.level + 1 < st.n_tiers:
+            move = 1
+        elif rate < cfg.demote_below and st.level > 0:
+            move = -1
+        if move:
+            st.level += move
+            st.groups_since_move = 0
+            st.moves += 1
+        return move
+
+    def tier_mix(self) -> dict[int, float]:
+        """Fraction of issued tasks per tier so far."""
+        total = sum(self.state.issued_by_tier.values())
+        return {t: n / total for t, n in sorted(self.state.issued_by_tier.items())} if total else {}
+
+
+# ----------------------------------------------------------------------------- recurring tasks
+
+
+class TaskRecord(msgspec.Struct, kw_only=True, array_like=True):
+    passes: float = 0.0
+    fails: float = 0.0
+
+
+def pick_recurring_task(
+    candidates: list[str],
+    records: Mapping[str, TaskRecord],
+    rng: random.Random,
+    group_size: int,
+    *,
+    floor: float = 0.05,
+) -> str:
+    """Pick a recurring task where the signal is: weight each candidate by
+    `informative_probability` of its Beta(1 + passes, 1 + fails) posterior mean, plus
+    `floor` so mastered and hopeless tasks still come back now and then (forgetting checks)."""
+    if not candidates:
+        raise ValueError("pick_recurring_task: no candidate tasks")
+    weights = []
+    for tid in candidates:
+        r = records.get(tid) or TaskRecord()
+        mean = (1.0 + r.passes) / (2.0 + r.passes + r.fails)
+        weights.append(informative_probability(mean, group_size) + floor)
+    return rng.choices(candidates, weights=weights, k=1)[0]
+
+
+# ----------------------------------------------------------------------------- mixing
+
+
+def mix_probabilities(
+    weights: Mapping[str, float],
+    *,
+    eligible: set[str] | None = None,
+    floors: Mapping[str, float] | None = None,
+    boosts: Mapping[str, float] | None = None,
+) -> dict[str, float]:
+    """Sampling probability of each eligible domain.
+
+    p_d = w_d * boost_d, normalised over eligible domains with w_d > 0; then each critical
+    domain d with a floor f_d (replay of critical domains) gets max(p_d, f_d) and the
+    others are scaled down to make room. Floors of ineligible domains are ignored.
+    """
+    eligible = set(weights) if eligible is None else set(eligible) & set(weights)
+    floors = {d: f for d, f in (floors or {}).items() if d in eligible and f > 0}
+    boosts = boosts or {}
+    raw = {d: max(0.0, weights[d]) * boosts.get(d, 1.0) for d in eligible}
+    raw = {d: v for d, v in raw.items() if v > 0 or d in floors}
+    if not raw:
+        return {}
+    if sum(floors.values()) > 1.0 + 1e-9:
+        raise ValueError(f"replay floors add up to more than 1: {dict(floors)}")
+    pinned: set[str] = set()  # water-filling: domains held at their floor
+    while True:
+        room = 1.0 - sum(floors[d] for d in pinned)
+        free = {d: v for d, v in raw.items() if d not in pinned}
+        free_total = sum(free.values())
+        p = {d: floors[d] for d in pinned}
+        p.update({d: (v / free_total * room if free_total > 0 else 0.0) for d, v in free.items()})
+        under = {d for d in floors if d not in pinned and p[d] < floors[d]}
+        if not under:
+            break
+        pinned |= under
+    total = sum(p.values())
+    return {d: v / total for d, v in p.items()} if total > 0 else {}
+
+
+def draw_domain(probabilities: Mapping[str, float], rng: random.Random) -> str:
+    if not probabilities:
+        raise ValueError("draw_domain: no eligible domain")
+    names = sorted(probabilities)
+    return rng.choices(names, weights=[probabilities[d] for d in names], k=1)[0]
+
+
+# ----------------------------------------------------------------------------- flow control
+
+
+def issue_budget(
+    *,
+    in_flight: int,
+    max_in_flight: int,
+    groups_per_version: int,
+    max_staleness: int,
+    done_since_version: int,
+) -> int:
+    """How many new tasks may be issued now.
+
+    The learner turns about `groups_per_version` groups into one new policy version. A group
+    issued now must be trained on within `max_staleness` versions, so at most
+    `groups_per_version * (max_staleness + 1)` groups may be ahead of the learner: those in
+    flight plus those completed since the latest version. The budget is what is left of that,
+    and never more than `max_in_flight - in_flight`.
+    """
+    ahead_cap = groups_per_version * (max_staleness + 1)
+    by_learner = ahead_cap - in_flight - done_since_version
+    return max(0, min(max_in_flight - in_flight, by_learner))
+
+
+class RunningStats(msgspec.Struct, kw_only=True, array_like=True):
+    """Count, mean and M2 of a stream (Welford): per-domain reward normalisation inputs."""
+
+    count: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+
+    def add(self, x: float) -> None:
+        self.count += 1
+        delta = x - self.mean
+        self.mean += delta / self.count
+        self.m2 += delta * (x - self.mean)
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.m2 / self.count) if self.count > 1 else 0.0

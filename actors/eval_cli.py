@@ -1,0 +1,191 @@
+"""`reinforge eval`: held-out pass@1 / pass@k per domain of any Hugging Face-format checkpoint,
+offline (no bus).
+
+    reinforge eval --model DIR --domains math,docqa --k 4 [--samples 8] [--json]
+
+Starts the embedded rollout server on the checkpoint (a free port; or uses `--url`),
+generates `samples` completions per held-out task in one request, verifies them locally
+with the domains, and prints one line per domain; with `--json` the table goes to stderr
+and stdout is one JSON object (the last line). The held-out sets are the evaluator actor's
+(`--seed`, `--tasks-per-tier`, `--heldout-file`), and `--train-file` runs the same
+contamination check first (exit 2 when it finds overlap). Code and terminal domains run
+their checks in the Podman sandbox pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    """Add `reinforge eval` to the `reinforge` parser."""
+    p = subparsers.add_parser(
+        "eval", help="pass@1 / pass@k of a checkpoint on the held-out sets (offline)"
+    )
+    p.add_argument("--model", help="Hugging Face-format model directory (and its tokenizer)")
+    p.add_argument("--url", help="use this running rollout server instead of starting one")
+    p.add_argument("--domains", default="math", help="comma-separated domains (default: math)")
+    p.add_argument("--k", type=int, default=4, help="pass@k's k (default 4)")
+    p.add_argument("--samples", type=int, default=0, help="completions per task (default: k)")
+    p.add_argument("--tasks-per-tier", type=int, default=4, help="held-out tasks per tier")
+    p.add_argument("--tiers", default="", help="comma-separated tiers (default: all)")
+    p.add_argument("--seed", type=int, default=None, help="held-out seed (default: the run's)")
+    p.add_argument("--heldout-file", action="append", default=[], metavar="DOMAIN=JSONL",
+                   help="held-out tasks of a domain from a file (repeatable)")
+    p.add_argument("--train-file", action="append", default=[], metavar="DOMAIN=JSONL",
+                   help="training tasks to check the held-out sets against (repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--no-chat-template", action="store_true",
+                   help="send the bare prompt (default: the tokenizer's chat template)")
+    p.add_argument("--concurrency", type=int, default=4, help="tasks in flight at once")
+    p.add_argument("--sandbox-pool-size", type=int, default=2)
+    p.add_argument("--server-arg", action="append", default=[],
+                   help="extra argument for `reinforge serve` (repeatable)")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="server start-up limit")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.set_defaults(func=cmd_eval)
+
+
+def _pairs(items: list[str], flag: str) -> dict[str, str]:
+    from reinforge.cli import UserError
+
+    out = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise UserError(f"{flag} {item!r}: expected DOMAIN=PATH")
+        if not Path(path).is_file():
+            raise UserError(f"{flag} {item!r}: no such file {path}")
+        out[name] = path
+    return out
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import trio
+    from reinforge.actors.evalsets import HeldOutConfig
+
+    from reinforge.cli import UserError
+
+    domains = [d.strip() for d in args.domains.split(",") if d.strip()]
+    samples = args.samples or args.k
+    if not domains:
+        raise UserError("--domains: give at least one domain")
+    if args.k < 1 or samples < args.k:
+        raise UserError(f"--k {args.k} needs --samples >= k (got {samples})")
+    if not args.model and not args.url:
+        raise UserError("give --model DIR (a Hugging Face-format checkpoint) or --url")
+    if args.model and not (Path(args.model) / "config.json").is_file():
+        raise UserError(f"--model {args.model}: no config.json there")
+    try:
+        tiers = [int(t) for t in args.tiers.split(",") if t.strip()]
+        heldout = HeldOutConfig(
+            tasks_per_tier=args.tasks_per_tier, tiers=tiers,
+            files=_pairs(args.heldout_file, "--heldout-file"),
+            **({} if args.seed is None else {"seed": args.seed}),
+        )
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    return trio.run(_eval, args, domains, samples, heldout)
+
+
+async def _eval(args: argparse.Namespace, domains: list[str], samples: int, heldout: Any) -> int:
+    import trio
+    from reinforge.actors.evalsets import build_heldout, check_contamination
+    from reinforge.actors.evaluator import ServerSource, evaluate_sets, load_tokenizer
+    from reinforge.actors.rollout_client import RolloutClient, RolloutServerUnavailable
+    from reinforge.envs.domain import DomainRegistry
+
+    from reinforge.cli import UserError
+
+    out = sys.stderr if args.json else sys.stdout
+    registry = DomainRegistry.default()
+    try:
+        doms = {d: registry.get(d) for d in domains}
+        sets = build_heldout(registry, domains, heldout)
+    except (KeyError, ValueError) as exc:
+        raise UserError(str(exc).strip("'\"")) from None
+    train = _pairs(args.train_file, "--train-file")
+    if train:
+        prompts = [(f"{path}:{t.task_id}", t.prompt)
+                   for d, path in train.items() for t in registry.get(d).load_tasks(path)]
+        report = check_contamination(prompts, [(t.task_id, t.prompt) for ts in sets.values()
+                                               for t in ts])
+        if not report.clean:
+            raise UserError("contaminated held-out set: " + report.summary())
+        print(report.summary(), file=out)
+    server = None
+    try:
+        url = args.url
+        if not url:
+            server = _start_server(args)
+            url = await server.wait_url(args.timeout_s)
+        tok_path = args.model
+        async with RolloutClient(url, timeout_s=600) as client:
+            if not tok_path:
+                tok_path = str((await client.model_info()).get("tokenizer_path") or "")
+            tokenizer = await trio.to_thread.run_sync(load_tokenizer, tok_path)
+            source = ServerSource(client, tokenizer, max_new_tokens=args.max_new_tokens,
+                                  temperature=args.temperature, top_p=args.top_p,
+                                  chat_template=not args.no_chat_template)
+            t0 = time.monotonic()
+            scores = await _with_sandbox(args, doms, lambda ds: evaluate_sets(
+                sets, ds, source, samples=samples, k=args.k, concurrency=args.concurrency))
+            took_s = time.monotonic() - t0
+    except RolloutServerUnavailable as exc:
+        raise UserError(f"rollout server: {exc}") from None
+    except RuntimeError as exc:  # the server did not start
+        raise UserError(str(exc)) from None
+    finally:
+        if server is not None:
+            await trio.to_thread.run_sync(server.stop)
+    for d, s in scores.items():
+        print(f"{d:10s} pass@1 {s.pass_at_1:.3f}  pass@{s.k} {s.pass_at_k:.3f}  "
+              f"tasks {s.n_tasks}  samples {s.samples}  run std {s.run_std:.3f}  "
+              f"infra errors {s.infra_errors}  refused {s.rejected_tasks}", file=out)
+    result = {
+        "model": args.model or url, "k": args.k, "samples": samples, "eval_s": round(took_s, 3),
+        "domains": {d: {"pass_at_1": s.pass_at_1, "pass_at_k": s.pass_at_k, "k": s.k,
+                        "n_tasks": s.n_tasks, "samples": s.samples,
+                        "run_pass_rates": s.run_pass_rates, "run_std": s.run_std,
+                        "infra_errors": s.infra_errors, "rejected_tasks": s.rejected_tasks}
+                    for d, s in scores.items()},
+    }
+    if args.json:
+        print(json.dumps(result), flush=True)
+    return 0
+
+
+def _start_server(args: argparse.Namespace) -> Any:
+    from reinforge.actors.rollout_server import SamplerConfig, ServerProcess
+
+    cfg = SamplerConfig(model_path=args.model, server_args=list(args.server_arg))
+    server = ServerProcess(cfg, Path(tempfile.mkdtemp(prefix="rf-eval-")) / "server.log")
+    server.start()
+    return server
+
+
+async def _with_sandbox(args: argparse.Namespace, doms: dict[str, Any], run: Any) -> Any:
+    """Run `run(domains)`, inside a sandbox pool when a domain verifies in one."""
+    from reinforge.cli import UserError
+
+    needs = [d for d, dom in doms.items() if dom.resource == "sandbox"]
+    if not needs:
+        return await run(doms)
+    from reinforge.envs.code_runner import RunnerInfraError, sandbox_runner
+    from reinforge.envs.sandbox_pool import PoolConfig
+
+    try:
+        async with sandbox_runner(PoolConfig(size=args.sandbox_pool_size)) as runner:
+            return await run({d: (dom.with_runner(runner) if d in needs else dom)
+                              for d, dom in doms.items()})
+    except RunnerInfraError as exc:
+        raise UserError(f"domains {', '.join(needs)} need the Podman sandbox: {exc} "
+                        "(see `reinforge sandbox doctor`)") from None

@@ -1,0 +1,477 @@
+"""The evaluator actor: held-out pass@1 / pass@k per domain for each new policy version, and
+the regression guard that rolls a bad version back.
+
+    learner --WeightsPublished(version, path)--> evaluator --EvalStats--> stats.evaluator (core)
+                                                     |                    stats.eval (durable)
+                                                     +--Rollback(to_version, path)--> weights
+
+* Held-out sets: `evalsets.build_heldout` (the scheduler excludes the same tasks from
+  training). At start the evaluator runs the n-gram contamination check against the
+  training files and every training task already stored in the run's stream, and refuses
+  to start (ContaminationError) when they overlap.
+* Scoring: `samples` completions per task (n in one /generate request); pass@1 is the mean
+  correctness over all samples, pass@k the unbiased estimator (Chen et al. 2021); the
+  per-run pass rates (run j = the j-th sample of every task) and their spread are the
+  multi-run stability figures. Samples whose verification hit an infrastructure fault are
+  masked, never counted as failures.
+* Regression guard: a version with a domain below its `thresholds` entry triggers a
+  `Rollback` to the last version that met every threshold (msg_id
+  f"rollback:{to}:{bad}"); it is said loudly on stderr. Without a good version to go back
+  to, it says so and publishes nothing.
+* Generation: the evaluator's own rollout server (`server_url`, or one it starts on the
+  first version it sees), loaded with each version through /update_weights_from_disk.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgspec
+import trio
+from reinforge.actors.curriculum import pass_at_k
+from reinforge.actors.evalsets import (
+    ContaminationChecker,
+    HeldOutConfig,
+    build_heldout,
+    require_clean,
+)
+from reinforge.core import paths, subjects
+from reinforge.core.actor import Actor, Input
+from reinforge.core.messages import EvalStats, Rollback, Task, WeightsPublished, decode
+from reinforge.envs.domain import TaskSpec
+
+
+class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    domains: list[str] = msgspec.field(default_factory=lambda: ["math"])
+    """Domains to evaluate."""
+    k: int = 4
+    """pass@k's k."""
+    samples: int = 0
+    """Completions per task (0: k); must be >= k."""
+    heldout: HeldOutConfig = HeldOutConfig()
+    """The held-out sets (must match the scheduler's)."""
+    thresholds: dict[str, float] = {}
+    """Minimum pass@1 per domain; below it, the version is rolled back."""
+    every_versions: int = 1
+    """Evaluate versions that are multiples of this."""
+    server_url: str = ""
+    """A rollout server for the evaluator alone; "" = start one on the first version."""
+    server_args: list[str] = []
+    server_start_timeout_s: float = 300.0
+    request_timeout_s: float = 600.0
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    chat_template: bool = True
+    """Wrap prompts in the tokenizer's chat template, as the sampler does."""
+    concurrency: int = 4
+    """Tasks being generated and verified at once."""
+    train_files: dict[str, str] = {}
+    """domain -> training JSONL, checked for overlap with the held-out sets."""
+    check_issued_tasks: bool = True
+    """Also check the training tasks already stored in the run's stream."""
+    contamination_n: int = 13
+    contamination_min_overlap: float = 0.5
+    sandbox_pool_size: int = 2
+    ack_wait_s: float = 3600.0
+    """How long one version's evaluation may take before the message is redelivered."""
+    state_file: str = ""
+    """Default: <run_dir>/evaluator_state.json."""
+
+    def __post_init__(self) -> None:
+        n = self.samples or self.k
+        if self.k < 1 or n < self.k:
+            raise ValueError(f"EvaluatorConfig: need 1 <= k <= samples, got k={self.k}, "
+                             f"samples={n}")
+        if self.every_versions < 1 or self.concurrency < 1:
+            raise ValueError("EvaluatorConfig: every_versions and concurrency must be >= 1")
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+class DomainScore(msgspec.Struct, frozen=True, kw_only=True):
+    domain: str
+    n_tasks: int
+    """Tasks with at least one verified sample."""
+    samples: int
+    k: int
+    pass_at_1: float
+    pass_at_k: float
+    run_pass_rates: list[float]
+    """Pass rate of run j (the j-th sample of every task): multi-run stability."""
+    run_std: float
+    infra_errors: int
+    """Samples masked because verification failed for infrastructure reasons."""
+    rejected_tasks: int = 0
+    """Tasks the rollout server refused (e.g. prompt longer than the context): all failed."""
+
+    def figures(self) -> dict[str, float]:
+        return {
+            "n_samples": float(self.samples),
+            "run_std": self.run_std,
+            "run_min": min(self.run_pass_rates, default=0.0),
+            "run_max": max(self.run_pass_rates, default=0.0),
+            "infra_errors": float(self.infra_errors),
+            "rejected_tasks": float(self.rejected_tasks),
+        }
+
+
+def score_domain(
+    domain: str, correct: Sequence[Sequence[bool | None]], k: int, *, rejected_tasks: int = 0
+) -> DomainScore:
+    """Scores from per-task, per-sample correctness (None = masked infrastructure fault).
+
+    Per task with n verified samples, c correct: pass@1 = c/n and pass@k = the unbiased
+    estimator with k' = min(k, n); the domain's figures are the means over tasks.
+    """
+    p1, pk, infra = [], [], 0
+    samples = max((len(row) for row in correct), default=0)
+    runs: list[list[bool]] = [[] for _ in range(samples)]
+    for row in correct:
+        valid = [c for c in row if c is not None]
+        infra += len(row) - len(valid)
+        for j, c in enumerate(row):
+            if c is not None:
+                runs[j].append(c)
+        if not valid:
+            continue
+        n, c = len(valid), sum(valid)
+        p1.append(c / n)
+        pk.append(pass_at_k(n, c, min(k, n)))
+    rates = [sum(r) / len(r) for r in runs if r]
+    return DomainScore(
+        domain=domain, n_tasks=len(p1), samples=samples, k=k,
+        pass_at_1=sum(p1) / len(p1) if p1 else 0.0,
+        pass_at_k=sum(pk) / len(pk) if pk else 0.0,
+        run_pass_rates=rates,
+        run_std=statistics.pstdev(rates) if len(rates) > 1 else 0.0,
+        infra_errors=infra,
+        rejected_tasks=rejected_tasks,
+    )
+
+
+class CompletionSource(Protocol):
+    async def complete(self, task: TaskSpec, n: int) -> list[str]: ...
+
+
+async def evaluate_sets(
+    sets: Mapping[str, Sequence[TaskSpec]],
+    domains: Mapping[str, Any],
+    source: CompletionSource,
+    *,
+    samples: int,
+    k: int,
+    concurrency: int = 4,
+) -> dict[str, DomainScore]:
+    """Generate `samples` completions per task, verify each with its domain, score.
+
+    A task the server refuses (4xx: e.g. its prompt is longer than the model's context)
+    counts as `samples` failures and is reported in `rejected_tasks`."""
+    from reinforge.actors.rollout_client import RolloutRequestError
+    from reinforge.core.bus import collapse_single_exception
+
+    limiter = trio.CapacityLimiter(concurrency)
+    results: dict[str, list[list[bool | None]]] = {d: [[] for _ in ts] for d, ts in sets.items()}
+    rejected: dict[str, int] = dict.fromkeys(sets, 0)
+
+    async def one(name: str, i: int, task: TaskSpec) -> None:
+        async with limiter:
+            try:
+                completions = await source.complete(task, samples)
+            except RolloutRequestError:
+                rejected[name] += 1
+                results[name][i] = [False] * samples
+                return
+            row: list[bool | None] = []
+            for text in completions:
+                verdict = await domains[name].verify(task, text)
+                row.append(None if verdict.outcome == "infra_error" else verdict.outcome == "pass")
+            results[name][i] = row
+
+    with collapse_single_exception():
+        async with trio.open_nursery() as nursery:
+            for name, tasks in sets.items():
+                for i, task in enumerate(tasks):
+                    nursery.start_soon(one, name, i, task)
+    return {name: score_domain(name, rows, k, rejected_tasks=rejected[name])
+            for name, rows in results.items()}
+
+
+# ----------------------------------------------------------------------------- the guard
+
+
+class GoodVersion(msgspec.Struct, frozen=True, kw_only=True):
+    version: int
+    path: str
+
+
+def regression_rollback(
+    version: int,
+    scores: Mapping[str, DomainScore],
+    thresholds: Mapping[str, float],
+    last_good: GoodVersion | None,
+) -> tuple[list[str], Rollback | None]:
+    """(domains below their threshold, the Rollback to publish or None).
+
+    A domain without verified tasks is not judged. No rollback without a good version older
+    than this one."""
+    below = sorted(
+        d for d, s in scores.items()
+        if d in thresholds and s.n_tasks > 0 and s.pass_at_1 < thresholds[d]
+    )
+    if not below or last_good is None or last_good.version >= version:
+        return below, None
+    detail = ", ".join(f"{d} pass@1 {scores[d].pass_at_1:.3f} < {thresholds[d]:.3f}" for d in below)
+    return below, Rollback(
+        to_version=last_good.version, path=last_good.path,
+        reason=f"version {version} regressed: {detail}",
+    )
+
+
+class EvaluatorState(msgspec.Struct, kw_only=True):
+    last_good: GoodVersion | None = None
+    evaluated: list[str] = []
+    """f"{version}:{path}" of every version scored (a version number reused after a
+    rollback, with a new checkpoint, is scored again)."""
+    rolled_back: list[int] = []
+
+
+def load_evaluator_state(path: Path) -> EvaluatorState:
+    if not path.exists():
+        return EvaluatorState()
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=EvaluatorState)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ValueError(f"evaluator state {path} is unreadable: {exc} (move it away to "
+                         "start afresh)") from None
+
+
+def save_json_atomic(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(msgspec.json.encode(obj))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def loud(text: str) -> None:
+    bar = "!" * 72
+    print(f"{bar}\nevaluator: {text}\n{bar}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def load_tokenizer(path: str) -> Any:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class ServerSource:
+    """Completions from a rollout server (SGLang API), prompts as the sampler builds them."""
+
+    def __init__(self, client: Any, tokenizer: Any, *, max_new_tokens: int, temperature: float,
+                 top_p: float = 1.0, chat_template: bool = True) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.params = {"max_new_tokens": max_new_tokens, "temperature": temperature,
+                       "top_p": top_p}
+        self.chat_template = chat_template
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        tok = self.tokenizer
+        if self.chat_template and getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                           add_generation_prompt=True, tokenize=False)
+        else:
+            text = prompt + "\n"
+        return list(tok.encode(text, add_special_tokens=False))
+
+    async def complete(self, task: TaskSpec, n: int) -> list[str]:
+        samples = await self.client.generate(
+            input_ids=self.prompt_ids(task.prompt), sampling_params={**self.params, "n": n})
+        return [s.text for s in samples]
+
+
+# ----------------------------------------------------------------------------- the actor
+
+
+class Evaluator(Actor):
+    actor_type = "evaluator"
+    Config = EvaluatorConfig
+
+    async def setup(self) -> None:
+        from reinforge.envs.domain import DomainRegistry
+
+        cfg: EvaluatorConfig = self.config
+        self.registry = DomainRegistry.default()
+        self.domains = {d: self.registry.get(d) for d in cfg.domains}
+        self.sets = build_heldout(self.registry, cfg.domains, cfg.heldout)
+        checker = ContaminationChecker(
+            [(t.task_id, t.prompt) for ts in self.sets.values() for t in ts],
+            n=cfg.contamination_n, min_overlap=cfg.contamination_min_overlap,
+        )
+        await self._feed_training_prompts(checker)
+        report = checker.report()
+        require_clean(report)  # refuses to start
+        print(f"evaluator: {report.summary()}", file=sys.stderr, flush=True)
+        run_dir = paths.run_dir(self.ctx.run)
+        self.state_path = (
+            Path(cfg.state_file) if cfg.state_file else run_dir / "evaluator_state.json"
+        )
+        self.state = load_evaluator_state(self.state_path)
+        self.server: Any = None
+        self.client: Any = None
+        self.tokenizer: Any = None
+        self.served_version: int | None = None
+        self.last_scores: dict[str, DomainScore] = {}
+
+    async def _feed_training_prompts(self, checker: ContaminationChecker) -> None:
+        """The training files, then every training task already stored in the run's stream."""
+        cfg: EvaluatorConfig = self.config
+        for name, path in cfg.train_files.items():
+            for t in self.registry.get(name).load_tasks(path):
+                checker.add_train(f"{path}:{t.task_id}", t.prompt)
+        if cfg.check_issued_tasks:
+            with self.ctx.waiting("reading issued training tasks from the stream", deadline_s=300):
+                async for d in self.ctx.bus.read_stream(
+                    self.ctx.stream, filter_subject=subjects.task(self.ctx.run, "*")
+                ):
+                    msg = decode(d.data)
+                    if isinstance(msg, Task) and msg.purpose == "train" and msg.attempt == 1:
+                        checker.add_train(msg.task_id, msg.prompt)
+
+    def inputs(self) -> list[Input]:
+        cfg: EvaluatorConfig = self.config
+        return [Input(subject=subjects.weights(self.ctx.run), handler=self.on_weights,
+                      accepts=(WeightsPublished, Rollback), ack_wait_s=cfg.ack_wait_s,
+                      max_deliver=3)]
+
+    def capabilities(self) -> list[str]:
+        return [f"evaluator for domains {','.join(self.config.domains)}"]
+
+    def figures(self) -> dict[str, float]:
+        out: dict[str, float] = {"evaluated_versions": float(len(self.state.evaluated)),
+                                 "rollbacks": float(len(self.state.rolled_back))}
+        if self.state.last_good is not None:
+            out["last_good_version"] = float(self.state.last_good.version)
+        for d, s in self.last_scores.items():
+            out[f"{d}.pass_at_1"] = s.pass_at_1
+            out[f"{d}.pass_at_k"] = s.pass_at_k
+        return out
+
+    async def main(self) -> None:
+        """Hold a sandbox pool while any evaluated domain verifies in one."""
+        needs = [d for d, dom in self.domains.items() if dom.resource == "sandbox"]
+        if not needs:
+            return
+        from reinforge.actors.sandboxing import hold_sandbox_runner
+
+        def use(runner: Any, why: str) -> None:
+            if runner is None:
+                loud(f"no sandbox ({why}): {', '.join(needs)} samples will be infra errors")
+                return
+            for d in needs:
+                self.domains[d] = self.domains[d].with_runner(runner)
+
+        await hold_sandbox_runner(self.config.sandbox_pool_size, use, lambda: 0)
+
+    async def teardown(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+        if self.server is not None:
+            await trio.to_thread.run_sync(self.server.stop)
+
+    async def on_weights(self, msg: WeightsPublished | Rollback) -> None:
+        cfg: EvaluatorConfig = self.config
+        if isinstance(msg, Rollback):
+            return
+        key = f"{msg.version}:{msg.path}"
+        if key in self.state.evaluated or msg.version % cfg.every_versions:
+            return
+        source = await self.source_for(msg)
+        with self.ctx.waiting(f"evaluating version {msg.version}", deadline_s=cfg.ack_wait_s):
+            t0 = time.monotonic()
+            scores = await evaluate_sets(self.sets, self.domains, source,
+                                         samples=cfg.samples or cfg.k, k=cfg.k,
+                                         concurrency=cfg.concurrency)
+        self.last_scores = scores
+        await self.publish_scores(msg.version, scores, time.monotonic() - t0)
+        await self.guard(msg, scores)
+        self.state.evaluated.append(key)
+        save_json_atomic(self.state_path, self.state)
+
+    async def publish_scores(
+        self, version: int, scores: dict[str, DomainScore], took_s: float
+    ) -> None:
+        cfg: EvaluatorConfig = self.config
+        for d, s in scores.items():
+            stats = EvalStats(version=version, domain=d, pass_at_1=s.pass_at_1,
+                              pass_at_k=s.pass_at_k, k=s.k, n_tasks=s.n_tasks,
+                              figures={**s.figures(), "eval_s": took_s,
+                                       **({"threshold": cfg.thresholds[d]}
+                                          if d in cfg.thresholds else {})})
+            await self.ctx.publish(subjects.stats(self.ctx.run, "evaluator"), stats)
+            await self.ctx.publish_durable(subjects.stats(self.ctx.run, "eval"), stats,
+                                           msg_id=f"eval:{version}:{d}")
+            print(f"evaluator: v{version} {d}: pass@1 {s.pass_at_1:.3f} pass@{s.k} "
+                  f"{s.pass_at_k:.3f} over {s.n_tasks} tasks x {s.samples}", file=sys.stderr,
+                  flush=True)
+
+    async def guard(self, msg: WeightsPublished, scores: dict[str, DomainScore]) -> None:
+        below, rollback = regression_rollback(msg.version, scores, self.config.thresholds,
+                                              self.state.last_good)
+        if not below:
+            self.state.last_good = GoodVersion(version=msg.version, path=msg.path)
+            return
+        if rollback is None:
+            loud(f"version {msg.version} is below threshold in {', '.join(below)}, and there "
+                 "is no earlier good version to roll back to")
+            return
+        loud(f"REGRESSION: {rollback.reason}; rolling back to version {rollback.to_version} "
+             f"({rollback.path})")
+        await self.ctx.publish_durable(subjects.weights(self.ctx.run), rollback,
+                                       msg_id=f"rollback:{rollback.to_version}:{msg.version}")
+        self.state.rolled_back.append(msg.version)
+
+    async def source_for(self, msg: WeightsPublished) -> CompletionSource:
+        """A completion source serving `msg.version` (starts/loads the eval server)."""
+        from reinforge.actors.rollout_client import RolloutClient
+        from reinforge.actors.rollout_server import SamplerConfig, ServerProcess
+
+        cfg: EvaluatorConfig = self.config
+        if self.client is None:
+            url = cfg.server_url
+            if not url:
+                scfg = SamplerConfig(model_path=msg.path, initial_version=msg.version,
+                                     server_args=list(cfg.server_args))
+                log = Path(tempfile.mkdtemp(prefix="rf-eval-")) / "server.log"
+                self.server = ServerProcess(scfg, log)
+                self.server.start()
+                with self.ctx.waiting("eval rollout server start",
+                                      deadline_s=cfg.server_start_timeout_s):
+                    url = await self.server.wait_url(cfg.server_start_timeout_s)
+                self.served_version = msg.version
+            self.client = RolloutClient(url, timeout_s=cfg.request_timeout_s)
+            self.tokenizer = await trio.to_thread.run_sync(load_tokenizer, msg.path)
+        if self.served_version != msg.version:
+            with self.ctx.waiting(f"loading version {msg.version}", deadline_s=600):
+                await self.client.update_weights_from_disk(msg.path,
+                                                           weight_version=str(msg.version))
+            self.served_version = msg.version
+        return ServerSource(self.client, self.tokenizer, max_new_tokens=cfg.max_new_tokens,
+                            temperature=cfg.temperature, top_p=cfg.top_p,
+                            chat_template=cfg.chat_template)
+

@@ -1,0 +1,489 @@
+"""The sampler actor: tasks in, G rollouts per task out, each tagged with the policy version
+that generated it.
+
+    rl.<run>.task.<domain> --(rollout server /generate, n=G)--> rl.<run>.rollout.<domain>
+    rl.<run>.weights (WeightsPublished | Rollback) --> /update_weights_from_disk
+
+Backends (`backend`): "embedded" starts `reinforge serve` (or uses `url`), "sglang" starts
+`python -m sglang.launch_server` (or uses `url`); both speak the same SGLang API subset and
+are driven by the same `RolloutClient`.
+
+Invariants:
+  * a rollout's `policy_version` is the server's `meta_info.weight_version` for that sample,
+    never the sampler's guess;
+  * a weights change waits on `GenerationGate`: new generations are held, running ones
+    finish (with the version they started on), then the server loads the checkpoint, then
+    generation resumes -- so no rollout is lost or mislabelled;
+  * every replica sees every version: the weights input is a core subscription without a
+    queue group, the newest stored version is read at start-up, and `main()` re-reads it every
+    `weights_poll_s` in case a core message was missed;
+  * rollout ids are deterministic (`{task_id}:{i}:{attempt}`): a redelivered task re-publishes
+    the same ids and the stream deduplicates them.
+
+Multi-turn domains (terminal): the episode runs here, one command per turn; the transcript
+(`$ cmd` lines, observations as `| ` lines) is the completion. Token-wise, output_ids are
+the whole continuation after the prompt; environment tokens carry logprob 0.0 and mask 0 in
+`loss_mask` (only stored if the Rollout struct has that field).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import trio
+
+from reinforge.actors.rollout_server import SamplerConfig, ServerProcess, server_command  # noqa: F401 - re-exported
+from reinforge.actors.rollout_client import (
+    RolloutClient,
+    RolloutRequestError,
+    RolloutServerUnavailable,
+    Sample,
+    parse_weight_version,
+)
+from reinforge.actors.sandboxing import hold_sandbox_runner, sandbox_labels
+from reinforge.core import subjects
+from reinforge.core.actor import Actor, Input, Reject, Retry
+from reinforge.core.messages import Rollback, Rollout, Task, Timings, WeightsPublished, decode
+
+
+class GateStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    active: int
+    """Generations running now."""
+    held: int
+    """Generations waiting for a weights update to end."""
+    updating: bool
+
+
+class GenerationGate:
+    """Many generations, or one weights update, never both.
+
+    `async with gate.generation():` waits while an update is pending or running;
+    `async with gate.update():` stops new generations at once, waits for running ones to
+    finish, and holds the gate until its body is done. Updates run one at a time.
+    """
+
+    def __init__(self) -> None:
+        self._active = 0
+        self._held = 0
+        self._updating = False
+        self._changed = trio.Event()
+        self._update_lock = trio.Lock()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    @contextlib.asynccontextmanager
+    async def generation(self):
+        while self._updating:
+            self._held += 1
+            try:
+                await self._changed.wait()
+            finally:
+                self._held -= 1
+        self._active += 1
+        try:
+            yield
+        finally:
+            self._active -= 1
+            self._notify()
+
+    @contextlib.asynccontextmanager
+    async def update(self):
+        async with self._update_lock:
+            self._updating = True
+            try:
+                while self._active:
+                    await self._changed.wait()
+                yield
+            finally:
+                self._updating = False
+                self._notify()
+
+    def statistics(self) -> GateStatistics:
+        return GateStatistics(active=self._active, held=self._held, updating=self._updating)
+
+
+# ----------------------------------------------------------------------------- server process
+
+
+def rollout_id(task_id: str, sample_index: int, attempt: int) -> str:
+    return f"{task_id}:{sample_index}:{attempt}"
+
+
+class EpisodeTrace(msgspec.Struct, kw_only=True):
+    """A finished multi-turn episode, token by token."""
+
+    completion: str
+    output_ids: list[int]
+    logprobs: list[float]
+    loss_mask: list[int]
+    finish_reason: str
+    weight_versions: list[str]
+
+
+class SamplerActor(Actor):
+    actor_type = "sampler"
+    Config = SamplerConfig
+
+    def __init__(self, ctx: Any, config: SamplerConfig) -> None:
+        super().__init__(ctx, config)
+        from reinforge.envs.domain import DomainRegistry
+
+        self.registry = DomainRegistry.default()
+        self.gate = GenerationGate()
+        self.client: RolloutClient | None = None
+        self.server: ServerProcess | None = None
+        self.tokenizer: Any = None
+        self.version = config.initial_version
+        """The version the server serves (after the last successful load)."""
+        self.domains: dict[str, Any] = {}
+        self.domains_ready = trio.Event()
+        self.samples = 0
+        self.tasks_done = 0
+        self.reloads = 0
+        self.weight_load_errors = 0
+        self.last_weight_error = ""
+        self.started = time.monotonic()
+        self._tmp = tempfile.mkdtemp(prefix="rf-sampler-")
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def inputs(self) -> list[Input]:
+        cfg: SamplerConfig = self.config
+        names = cfg.domains or ["*"]
+        tasks = [
+            Input(
+                subject=subjects.task(self.ctx.run, d),
+                handler=self.on_task,
+                accepts=(Task,),
+                concurrency=cfg.concurrency,
+                batch=cfg.concurrency,
+                ack_wait_s=cfg.ack_wait_s,
+            )
+            for d in names
+        ]
+        weights = Input(
+            subject=subjects.weights(self.ctx.run),
+            handler=self.on_weights,
+            accepts=(WeightsPublished, Rollback),
+            durable=False,
+        )
+        return [*tasks, weights]
+
+    def capabilities(self) -> list[str]:
+        cfg: SamplerConfig = self.config
+        return [f"sampler ({cfg.backend}) for domains {','.join(cfg.domains) or '*'}"]
+
+    def figures(self) -> dict[str, float]:
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        gate = self.gate.statistics()
+        return {
+            "policy_version": float(self.version),
+            "samples": float(self.samples),
+            "samples_per_s": self.samples / elapsed,
+            "tasks_done": float(self.tasks_done),
+            "weight_reloads": float(self.reloads),
+            "weight_load_errors": float(self.weight_load_errors),
+            "generations_active": float(gate.active),
+            "generations_held": float(gate.held),
+        }
+
+    async def setup(self) -> None:
+        try:
+            await self._setup()
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await self._close()
+            raise
+
+    async def _setup(self) -> None:
+        cfg: SamplerConfig = self.config
+        url = cfg.url
+        if not url:
+            self.server = ServerProcess(cfg, Path(self._tmp) / "server.log")
+            self.server.start()
+            with self.ctx.waiting("rollout server start", deadline_s=cfg.server_start_timeout_s):
+                url = await self.server.wait_url(cfg.server_start_timeout_s)
+        self.client = RolloutClient(url, timeout_s=cfg.request_timeout_s)
+        with self.ctx.waiting("HTTP reply from rollout server", deadline_s=60):
+            served = await self.client.weight_version()
+        self.version = parse_weight_version(served, default_version=cfg.initial_version)
+        tok_path = cfg.tokenizer_path or cfg.model_path
+        if not tok_path:
+            with self.ctx.waiting("HTTP reply from rollout server", deadline_s=60):
+                tok_path = str((await self.client.model_info()).get("tokenizer_path") or "")
+        if not tok_path:
+            raise ValueError("SamplerConfig: no tokenizer_path, model_path, or server tokenizer")
+        self.tokenizer = await trio.to_thread.run_sync(_load_tokenizer, tok_path)
+        await self.catch_up_weights()
+
+    async def teardown(self) -> None:
+        await self._close()  # idempotent; main() closes too when cancelled outright
+
+    async def main(self) -> None:
+        """Own the sandbox pool of multi-turn domains; re-read the newest weights now and then."""
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._poll_weights)
+                await self._hold_domains()
+        finally:  # also when the actor is cancelled outright (teardown then never runs)
+            with trio.CancelScope(shield=True):
+                with trio.move_on_after(15):  # running generations finish first
+                    while self.gate.statistics().active:
+                        await trio.sleep(0.05)
+                await self._close()
+
+    async def _close(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+        if self.server is not None:
+            await trio.to_thread.run_sync(self.server.stop)
+
+    async def _poll_weights(self) -> None:
+        while True:
+            try:
+                await self.catch_up_weights()  # first run closes the setup/subscribe window
+            except (RolloutRequestError, RolloutServerUnavailable, RuntimeError) as exc:
+                self.weight_load_errors += 1  # shown in figures; the next poll tries again
+                self.last_weight_error = str(exc)
+            await trio.sleep(self.config.weights_poll_s)
+
+    async def _hold_domains(self) -> None:
+        cfg: SamplerConfig = self.config
+        names = cfg.domains or self.registry.names()
+        multi = [n for n in names if n in self.registry and self.registry.get(n).multi_turn]
+
+        def attach(runner: Any, error: str) -> None:
+            for n in multi:  # without a runner, episodes observe "[sandbox unavailable: ...]"
+                d = self.registry.get(n)
+                self.domains[n] = d.with_runner(runner) if runner is not None else d
+            self.domains_ready.set()
+
+        if cfg.sandbox and any(self.registry.get(n).resource == "sandbox" for n in multi):
+            await hold_sandbox_runner(
+                cfg.sandbox_pool_size, attach, lambda: self.gate.statistics().active,
+                labels=sandbox_labels(self.ctx),
+            )
+        else:
+            attach(None, "")
+
+    # -- weights ------------------------------------------------------------------------
+
+    async def catch_up_weights(self) -> None:
+        """Load the newest stored weights message if it is newer than what is served."""
+        last = await self.ctx.bus.last_message(self.ctx.stream, subjects.weights(self.ctx.run))
+        if last is None:
+            return
+        msg = decode(last.data)
+        if isinstance(msg, (WeightsPublished, Rollback)):
+            await self.on_weights(msg)
+
+    async def on_weights(self, msg: WeightsPublished | Rollback) -> None:
+        if isinstance(msg, WeightsPublished):
+            version, path, newer_only = msg.version, msg.path, True
+        else:
+            version, path, newer_only = msg.to_version, msg.path, False
+        def stale() -> bool:
+            return version == self.version or (newer_only and version < self.version)
+
+        if stale():  # checked before closing the gate: a no-op must not stall generation
+            return
+        async with self.gate.update():
+            if stale():
+                return
+            assert self.client is not None
+            with self.ctx.waiting(f"rollout server loading weights v{version}", deadline_s=600):
+                await self.client.update_weights_from_disk(path, weight_version=str(version))
+                served = await self.client.weight_version()
+            self.version = parse_weight_version(served, default_version=self.config.initial_version)
+            if self.version != version:
+                raise RuntimeError(
+                    f"rollout server reports weight_version {served!r} after loading v{version}"
+                )
+            self.reloads += 1
+
+    # -- tasks --------------------------------------------------------------------------
+
+    def _prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        tok = self.tokenizer
+        if self.config.chat_template and getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        else:
+            text = "\n".join(m["content"] for m in messages) + "\n"
+        return list(tok.encode(text, add_special_tokens=False))
+
+    def _sampling_params(self, n: int, **extra: Any) -> dict[str, Any]:
+        cfg: SamplerConfig = self.config
+        params: dict[str, Any] = {
+            "n": n,
+            "temperature": cfg.temperature,
+            "top_p": cfg.top_p,
+            "max_new_tokens": cfg.max_new_tokens,
+        }
+        if cfg.stop:
+            params["stop"] = list(cfg.stop)
+        params.update(extra)
+        return params
+
+    async def _generate(self, ids: list[int], params: dict[str, Any]) -> list[Sample]:
+        assert self.client is not None
+        try:
+            with self.ctx.waiting(
+                "HTTP reply from rollout server", deadline_s=self.config.request_timeout_s
+            ):
+                return await self.client.generate(input_ids=ids, sampling_params=params)
+        except RolloutServerUnavailable as exc:
+            raise Retry(f"rollout server unavailable: {exc}", delay_s=2.0) from None
+        except RolloutRequestError as exc:
+            raise Reject(f"rollout server refused the task: {exc}") from None
+
+    async def on_task(self, msg: Task) -> None:
+        if msg.group_size < 1:
+            raise Reject(f"task {msg.task_id}: group_size must be >= 1, got {msg.group_size}")
+        if msg.domain not in self.registry:
+            raise Reject(f"task {msg.task_id}: unknown domain {msg.domain!r}")
+        queued_s = max(0.0, time.time() - msg.sent_at)
+        prompt_ids = self._prompt_ids([{"role": "user", "content": msg.prompt}])
+        with self.ctx.waiting("weights update to finish", deadline_s=600):
+            gen = self.gate.generation()
+            await gen.__aenter__()
+        try:
+            if self.version < msg.min_version:
+                raise Retry(
+                    f"task {msg.task_id} needs policy v{msg.min_version}, serving v{self.version}",
+                    delay_s=5.0,
+                )
+            t0 = time.monotonic()
+            if self.registry.get(msg.domain).multi_turn:
+                rollouts = await self._episodes(msg, prompt_ids, queued_s)
+            else:
+                samples = await self._generate(prompt_ids, self._sampling_params(msg.group_size))
+                gen_s = time.monotonic() - t0
+                rollouts = [
+                    self._rollout(msg, i, prompt_ids, s.text, s.output_ids, s.logprobs,
+                                  s.finish_reason, s.weight_version, queued_s, gen_s)
+                    for i, s in enumerate(samples)
+                ]
+        finally:
+            await gen.__aexit__(None, None, None)
+        for r in rollouts:
+            await self.ctx.publish_durable(
+                subjects.rollout(self.ctx.run, msg.domain), r, msg_id=r.rollout_id
+            )
+        self.samples += len(rollouts)
+        self.tasks_done += 1
+
+    def _rollout(
+        self, msg: Task, i: int, prompt_ids: list[int], text: str, output_ids: list[int],
+        logprobs: list[float], finish_reason: str, weight_version: str, queued_s: float,
+        generate_s: float, loss_mask: list[int] | None = None,
+    ) -> Rollout:
+        extra: dict[str, Any] = {}
+        if loss_mask is not None and "loss_mask" in Rollout.__struct_fields__:
+            extra["loss_mask"] = loss_mask
+        return Rollout(
+            rollout_id=rollout_id(msg.task_id, i, msg.attempt),
+            task_id=msg.task_id,
+            sample_index=i,
+            domain=msg.domain,
+            tier=msg.tier,
+            prompt=msg.prompt,
+            completion=text,
+            prompt_ids=list(prompt_ids),
+            output_ids=list(output_ids),
+            logprobs=list(logprobs),
+            policy_version=parse_weight_version(
+                weight_version, default_version=self.config.initial_version
+            ),
+            finish_reason=finish_reason,
+            spec=dict(msg.spec),
+            group_size=msg.group_size,
+            timings=Timings(queued_s=queued_s, generate_s=generate_s),
+            purpose=msg.purpose,
+            **extra,
+        )
+
+    # -- multi-turn ---------------------------------------------------------------------
+
+    async def _episodes(self, msg: Task, prompt_ids: list[int], queued_s: float) -> list[Rollout]:
+        with self.ctx.waiting("sandbox pool start", deadline_s=120):
+            await self.domains_ready.wait()
+        domain = self.domains[msg.domain]
+        out: list[Rollout | None] = [None] * msg.group_size
+
+        async def one(i: int) -> None:
+            t0 = time.monotonic()
+            ep = await self._episode(domain, msg, prompt_ids)
+            versions = set(ep.weight_versions)
+            if len(versions) > 1:  # cannot happen while the gate is held; never mislabel
+                raise Retry(f"episode of {msg.task_id} spans weight versions {versions}", 1.0)
+            out[i] = self._rollout(
+                msg, i, prompt_ids, ep.completion, ep.output_ids, ep.logprobs, ep.finish_reason,
+                ep.weight_versions[0] if ep.weight_versions else str(self.version),
+                queued_s, time.monotonic() - t0, loss_mask=ep.loss_mask,
+            )
+
+        async with trio.open_nursery() as nursery:
+            for i in range(msg.group_size):
+                nursery.start_soon(one, i)
+        return [r for r in out if r is not None]
+
+    async def _episode(self, domain: Any, msg: Task, prompt_ids: list[int]) -> EpisodeTrace:
+        from reinforge.envs.domain import TaskSpec
+
+        task = TaskSpec(
+            task_id=msg.task_id, domain=msg.domain, tier=msg.tier, prompt=msg.prompt,
+            spec=dict(msg.spec),
+        )
+        episode = domain.start_episode(task)
+        ids = list(prompt_ids)
+        ep = EpisodeTrace(completion="", output_ids=[], logprobs=[], loss_mask=[],
+                     finish_reason="length", weight_versions=[])
+        lines: list[str] = []
+        try:
+            done = False
+            while not done:
+                try:
+                    (s,) = await self._generate(ids, self._sampling_params(1, stop=["\n"]))
+                except Reject:
+                    if not lines:
+                        raise
+                    break  # the transcript outgrew the server's context: end it here
+                ep.weight_versions.append(s.weight_version)
+                ids += s.output_ids
+                ep.output_ids += s.output_ids
+                ep.logprobs += s.logprobs
+                ep.loss_mask += [1] * len(s.output_ids)
+                action = s.text.strip().splitlines()[0] if s.text.strip() else ""
+                action = action[2:] if action.startswith("$ ") else action
+                lines.append(f"$ {action}")
+                with self.ctx.waiting(f"{msg.domain} step of {msg.task_id}", deadline_s=300):
+                    obs, done = await episode.step(action)
+                if done and not obs:
+                    ep.finish_reason = "stop"
+                    break
+                obs_text = "".join(f"| {ln}\n" for ln in obs.splitlines()) or "|\n"
+                lines.append(obs_text.rstrip("\n"))
+                env_ids = list(self.tokenizer.encode("\n" + obs_text, add_special_tokens=False))
+                ids += env_ids
+                ep.output_ids += env_ids
+                ep.logprobs += [0.0] * len(env_ids)
+                ep.loss_mask += [0] * len(env_ids)
+        finally:
+            await episode.aclose()
+        ep.completion = "\n".join(lines) + "\n"
+        return ep
+
+
+def _load_tokenizer(path: str) -> Any:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,607 @@
+"""The scheduler actor: what to sample next, how much, and what happened to it.
+
+Dataflow:
+    scheduler --Task (durable, rl.<run>.task.<domain>)--> samplers --> verifiers
+        ^-- ScoredRollout (core view of rl.<run>.scored.*): group outcomes
+        ^-- WeightsPublished / Rollback (rl.<run>.weights): the policy version
+        ^-- TrainStats / EvalStats (rl.<run>.stats.*): learner demand, eval thresholds
+        ^-- Announce (ctl.<run>.announce): domains attached at runtime join the pool
+
+Decisions (pure, in `curriculum.py`): the domain by mixing weights x regression boosts with
+replay floors for critical domains; the tier where the predicted group pass rate gives the
+most learning signal; for recurring (file) tasks, the task itself. Flow control: in-flight
+tasks stay within `issue_budget` (learner demand x max staleness) and per-domain quotas.
+
+Leases: a task whose group is not complete within `lease_s` is reissued with attempt+1
+(priority over new tasks), up to `max_attempts`; JetStream already redelivers a task whose
+sampler died before acking it, the lease covers the rest (lost groups, dead-lettered
+rollouts). State (tiers, rates, leases, counters) is saved atomically to
+`<run_dir>/scheduler_state.json` and reloaded at start.
+
+Figures (heartbeats, `reinforge status`): per domain the tier, the tier mix, the groups,
+the informative groups, the **wasted tokens** (tokens of groups whose rewards were all
+equal: no GRPO signal), the reward mean/std (the learner's normalisation inputs).
+
+Mixing weights change while running through `<run_dir>/scheduler_mix.json`
+(`{"weights": {...}, "replay_floors": {...}, "max_in_flight_per_domain": {...}}`),
+re-read whenever it changes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import trio
+from reinforge.actors.curriculum import (
+    CurriculumConfig,
+    DomainCurriculum,
+    DomainCurriculumState,
+    RunningStats,
+    TaskRecord,
+    draw_domain,
+    group_is_informative,
+    issue_budget,
+    mix_probabilities,
+    pick_recurring_task,
+)
+from reinforge.actors.evalsets import HeldOutConfig, build_heldout, fingerprint
+from reinforge.core import paths, subjects
+from reinforge.core.actor import Actor, Input
+from reinforge.core.messages import (
+    Announce,
+    EvalStats,
+    Outcome,
+    Rollback,
+    ScoredRollout,
+    Task,
+    TrainStats,
+    WeightsPublished,
+    decode,
+)
+
+STATE_SCHEMA = 1
+_CAPABILITY_RE = re.compile(r"\bfor domains? ([\w,\- ]+)$")
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    domains: dict[str, float] = msgspec.field(default_factory=lambda: {"math": 1.0})
+    """Starting pool: domain -> mixing weight (relative)."""
+    attached_weight: float = 1.0
+    """Mixing weight of a domain that joins at runtime (a verifier announcing it)."""
+    domain_specs: list[str] = []
+    """Extra domains to register, as `NAME=module:Class`."""
+    replay_floors: dict[str, float] = {}
+    """Critical domains: minimum share of issued tasks (forgetting guard)."""
+    min_pass_at_1: dict[str, float] = {}
+    """Per-domain evaluation thresholds; a domain below its threshold gets its weight
+    multiplied by `regression_boost` until it recovers."""
+    regression_boost: float = 3.0
+    group_size: int = 8
+    """Samples per task (G)."""
+    max_in_flight: int = 64
+    """Hard cap on outstanding tasks (leases)."""
+    max_in_flight_per_domain: dict[str, int] = {}
+    """Per-domain quotas on outstanding tasks."""
+    groups_per_version: int = 16
+    """Groups the learner uses per policy version (a TrainStats figure `groups_per_step`
+    overrides it)."""
+    max_staleness: int = 2
+    """Versions a group may lag the policy; bounds how far issuance runs ahead."""
+    lease_s: float = 300.0
+    """A task whose group is not complete after this is reissued (attempt + 1)."""
+    max_attempts: int = 3
+    """Attempts per task before it is abandoned (counted)."""
+    tick_s: float = 0.5
+    """Planning period (the loop also wakes when a group completes)."""
+    seed: int = 0
+    task_files: dict[str, str] = {}
+    """domain -> JSONL file of recurring tasks (instead of the domain's generator)."""
+    curriculum: CurriculumConfig = CurriculumConfig()
+    heldout: HeldOutConfig = HeldOutConfig()
+    """Tasks held out for evaluation: never issued for training (must match the evaluator)."""
+    state_file: str = ""
+    """Default: <run_dir>/scheduler_state.json."""
+    mix_file: str = ""
+    """Default: <run_dir>/scheduler_mix.json."""
+    persist_every_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1 or self.max_in_flight < 1 or self.max_attempts < 1:
+            raise ValueError(
+                "SchedulerConfig: group_size, max_in_flight and max_attempts must be >= 1"
+            )
+        if self.lease_s <= 0 or self.tick_s <= 0:
+            raise ValueError("SchedulerConfig: lease_s and tick_s must be > 0")
+        if any(w < 0 for w in self.domains.values()):
+            raise ValueError(f"SchedulerConfig.domains: weights must be >= 0, got {self.domains}")
+        if sum(self.replay_floors.values()) > 1.0:
+            raise ValueError(f"SchedulerConfig.replay_floors add up to more than 1: "
+                             f"{self.replay_floors}")
+
+
+class MixOverride(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The runtime-adjustable part of the mix (the mix file)."""
+
+    weights: dict[str, float] = {}
+    replay_floors: dict[str, float] = {}
+    max_in_flight_per_domain: dict[str, int] = {}
+
+
+# ----------------------------------------------------------------------------- state
+
+
+class Lease(msgspec.Struct, kw_only=True):
+    task: Task
+    base_id: str
+    """The underlying task (recurring tasks are issued under fresh task ids)."""
+    issued_at: float
+    deadline: float
+
+
+class GroupTally(msgspec.Struct, kw_only=True):
+    domain: str
+    tier: int
+    group_size: int
+    rewards: dict[int, float] = {}
+    """sample_index -> reward, for samples the candidate is responsible for."""
+    infra: list[int] = []
+    """sample indices whose verification failed for infrastructure reasons (no signal)."""
+    tokens: int = 0
+    first_seen: float = 0.0
+
+
+class DomainCounters(msgspec.Struct, kw_only=True):
+    issued: int = 0
+    reissued: int = 0
+    abandoned: int = 0
+    groups: int = 0
+    informative_groups: int = 0
+    late_groups: int = 0
+    tokens: int = 0
+    wasted_tokens: int = 0
+    infra_samples: int = 0
+    heldout_skips: int = 0
+    rewards: RunningStats = msgspec.field(default_factory=RunningStats)
+
+
+class SchedulerState(msgspec.Struct, kw_only=True):
+    schema: int = STATE_SCHEMA
+    issued: int = 0
+    """Issue sequence number: names tasks and seeds their draws."""
+    version: int = 0
+    done_since_version: int = 0
+    groups_per_version: int = 0
+    """Learner demand seen in TrainStats (0 = use the config)."""
+    attached: dict[str, float] = {}
+    curricula: dict[str, DomainCurriculumState] = {}
+    task_records: dict[str, dict[str, TaskRecord]] = {}
+    leases: dict[str, Lease] = {}
+    tallies: dict[str, GroupTally] = {}
+    recent_done: list[str] = []
+    """Keys of recently completed groups (duplicates after them are ignored)."""
+    counters: dict[str, DomainCounters] = {}
+    eval_pass_at_1: dict[str, float] = {}
+    rollbacks: int = 0
+
+
+def save_state(path: Path, state: SchedulerState) -> None:
+    """Write atomically: temp file, fsync, rename, fsync of the directory."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(msgspec.json.encode(state))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def load_state(path: Path) -> SchedulerState | None:
+    if not path.exists():
+        return None
+    try:
+        state = msgspec.json.decode(path.read_bytes(), type=SchedulerState)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ValueError(f"scheduler state {path} is unreadable: {exc} (move it away to "
+                         "start afresh)") from None
+    if state.schema != STATE_SCHEMA:
+        raise ValueError(f"scheduler state {path} has schema {state.schema}, "
+                         f"this scheduler reads {STATE_SCHEMA}")
+    return state
+
+
+def group_key(task_id: str, attempt: int) -> str:
+    return f"{task_id}#{attempt}"
+
+
+def split_rollout_id(rollout_id: str) -> tuple[str, int, int]:
+    """f"{task_id}:{sample_index}:{attempt}" -> (task_id, sample_index, attempt)."""
+    task_id, i, attempt = rollout_id.rsplit(":", 2)
+    return task_id, int(i), int(attempt)
+
+
+def say(text: str) -> None:
+    print(f"scheduler: {text}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- the actor
+
+
+class Scheduler(Actor):
+    actor_type = "scheduler"
+    Config = SchedulerConfig
+
+    # -- start-up ---------------------------------------------------------------------
+
+    async def setup(self) -> None:
+        from reinforge.envs.domain import DomainRegistry
+
+        cfg: SchedulerConfig = self.config
+        run_dir = paths.run_dir(self.ctx.run)
+        self.state_path = (
+            Path(cfg.state_file) if cfg.state_file else run_dir / "scheduler_state.json"
+        )
+        self.mix_path = Path(cfg.mix_file) if cfg.mix_file else run_dir / "scheduler_mix.json"
+        self.registry = DomainRegistry.default(cfg.domain_specs)
+        self.state = load_state(self.state_path) or SchedulerState()
+        self.mix = MixOverride()
+        self._mix_mtime = -1.0
+        self.curricula: dict[str, DomainCurriculum] = {}
+        self.heldout: dict[str, set[str]] = {}
+        self.file_tasks: dict[str, dict[str, Any]] = {}
+        for name in [*cfg.domains, *self.state.attached]:
+            self._join(name)
+        self._dirty = True
+        self._last_persist = 0.0
+        self._wakeup = trio.Event()
+        latest = await self.ctx.bus.last_message(self.ctx.stream, subjects.weights(self.ctx.run))
+        if latest is not None:
+            await self.on_weights(decode(latest.data))
+
+    def _join(self, name: str) -> None:
+        """Add a domain to the pool (its curriculum, held-out fingerprints, task file)."""
+        if name in self.curricula:
+            return
+        cfg: SchedulerConfig = self.config
+        domain = self.registry.get(name)
+        st = self.state.curricula.get(name)
+        self.curricula[name] = (
+            DomainCurriculum(cfg.curriculum, st) if st is not None
+            else DomainCurriculum.new(cfg.curriculum, len(domain.tiers))
+        )
+        self.state.curricula[name] = self.curricula[name].state
+        self.state.counters.setdefault(name, DomainCounters())
+        held = build_heldout(self.registry, [name], cfg.heldout)[name]
+        self.heldout[name] = {fingerprint(t.prompt) for t in held}
+        if name in cfg.task_files:
+            tasks = [t for t in domain.load_tasks(cfg.task_files[name])
+                     if fingerprint(t.prompt) not in self.heldout[name]]
+            if not tasks:
+                raise ValueError(f"task file {cfg.task_files[name]} for domain {name!r} has no "
+                                 "task outside the held-out set")
+            self.file_tasks[name] = {t.task_id: t for t in tasks}
+
+    # -- inputs -----------------------------------------------------------------------
+
+    def inputs(self) -> list[Input]:
+        run = self.ctx.run
+        return [
+            Input(subject=subjects.scored(run, "*"), handler=self.on_scored,
+                  accepts=(ScoredRollout,), durable=False),
+            Input(subject=subjects.weights(run), handler=self.on_weights,
+                  accepts=(WeightsPublished, Rollback), durable=False),
+            Input(subject=subjects.stats(run, "*"), handler=self.on_stats, durable=False),
+            Input(subject=subjects.announce(run), handler=self.on_announce,
+                  accepts=(Announce,), durable=False),
+        ]
+
+    def capabilities(self) -> list[str]:
+        return [f"scheduler for domains {','.join(sorted(self.curricula))}"]
+
+    async def on_scored(self, msg: ScoredRollout) -> None:
+        r = msg.rollout
+        if r.purpose != "train":
+            return
+        task_id, index, attempt = split_rollout_id(r.rollout_id)
+        key = group_key(task_id, attempt)
+        if key in self.state.recent_done:
+            return  # a redelivered sample of a group already counted
+        tally = self.state.tallies.get(key)
+        if tally is None:
+            tally = self.state.tallies[key] = GroupTally(
+                domain=r.domain, tier=r.tier, group_size=r.group_size, first_seen=time.time()
+            )
+        if index in tally.rewards or index in tally.infra:
+            return
+        if msg.outcome == Outcome.INFRA_ERROR:
+            tally.infra.append(index)
+        else:
+            tally.rewards[index] = msg.reward
+        tally.tokens += len(r.output_ids)
+        self._dirty = True
+        if len(tally.rewards) + len(tally.infra) >= tally.group_size:
+            self._complete(task_id, key, tally)
+
+    def _complete(self, task_id: str, key: str, tally: GroupTally) -> None:
+        st = self.state
+        del st.tallies[key]
+        st.recent_done.append(key)
+        del st.recent_done[:-4096]
+        c = st.counters.setdefault(tally.domain, DomainCounters())
+        rewards = [tally.rewards[i] for i in sorted(tally.rewards)]
+        c.groups += 1
+        c.tokens += tally.tokens
+        c.infra_samples += len(tally.infra)
+        if group_is_informative(rewards):
+            c.informative_groups += 1
+        else:
+            c.wasted_tokens += tally.tokens
+        for x in rewards:
+            c.rewards.add(x)
+        lease = st.leases.pop(task_id, None)
+        if lease is None:
+            c.late_groups += 1  # a group of an attempt already superseded, or not ours
+        if rewards and tally.domain in self.curricula:
+            curriculum = self.curricula[tally.domain]
+            if 0 <= tally.tier < curriculum.state.n_tiers:
+                move = curriculum.record(tally.tier, sum(rewards) / len(rewards))
+                if move:
+                    say(f"domain {tally.domain} moves {'up' if move > 0 else 'down'} to tier "
+                        f"{curriculum.level}")
+            if lease is not None and tally.domain in self.file_tasks:
+                rec = st.task_records.setdefault(tally.domain, {}).setdefault(
+                    lease.base_id, TaskRecord())
+                rec.passes += sum(rewards)
+                rec.fails += len(rewards) - sum(rewards)
+        st.done_since_version += 1
+        self._wakeup.set()
+
+    async def on_weights(self, msg: WeightsPublished | Rollback) -> None:
+        if isinstance(msg, WeightsPublished):
+            if msg.version > self.state.version:
+                self.state.version = msg.version
+                self.state.done_since_version = 0
+        elif isinstance(msg, Rollback):
+            self.state.rollbacks += 1
+            self.state.version = msg.to_version
+            self.state.done_since_version = 0
+            say(f"rollback to version {msg.to_version}: {msg.reason}")
+        self._dirty = True
+        self._wakeup.set()
+
+    async def on_stats(self, msg: Any) -> None:
+        if isinstance(msg, TrainStats):
+            groups = msg.figures.get("groups_per_step", 0)
+            if groups >= 1:
+                self.state.groups_per_version = int(groups)
+        elif isinstance(msg, EvalStats):
+            self.state.eval_pass_at_1[msg.domain] = msg.pass_at_1
+            self._dirty = True
+
+    async def on_announce(self, msg: Announce) -> None:
+        if msg.event != "joined":
+            return
+        for cap in msg.capabilities:
+            m = _CAPABILITY_RE.search(cap)
+            for name in (m.group(1).replace(" ", ",").split(",") if m else []):
+                if name and name not in self.curricula and name in self.registry:
+                    self.state.attached[name] = self.config.attached_weight
+                    self._join(name)
+                    say(f"domain {name} joined the pool (announced by {msg.actor_id})")
+                    self._dirty = True
+
+    # -- the loop ---------------------------------------------------------------------
+
+    async def main(self) -> None:
+        while True:
+            self._reload_mix()
+            for task in [*self._expired_leases(time.time()), *self._plan()]:
+                await self.ctx.publish_durable(
+                    subjects.task(self.ctx.run, task.domain), task,
+                    msg_id=f"task:{task.task_id}:{task.attempt}",
+                )
+            self._persist_if_due()
+            with trio.move_on_after(self.config.tick_s):
+                with self.ctx.waiting("group outcomes or the next tick"):
+                    await self._wakeup.wait()
+            self._wakeup = trio.Event()
+
+    async def teardown(self) -> None:
+        self._persist_if_due(force=True)
+
+    # -- decisions --------------------------------------------------------------------
+
+    def weights(self) -> dict[str, float]:
+        w = {**self.config.domains, **self.state.attached, **self.mix.weights}
+        return {d: v for d, v in w.items() if d in self.curricula}
+
+    def probabilities(self, eligible: set[str]) -> dict[str, float]:
+        cfg: SchedulerConfig = self.config
+        boosts = {
+            d: cfg.regression_boost
+            for d, p in self.state.eval_pass_at_1.items()
+            if d in cfg.min_pass_at_1 and p < cfg.min_pass_at_1[d]
+        }
+        floors = {**cfg.replay_floors, **self.mix.replay_floors}
+        return mix_probabilities(self.weights(), eligible=eligible, floors=floors, boosts=boosts)
+
+    def _quota(self, domain: str) -> int | None:
+        quotas = {**self.config.max_in_flight_per_domain, **self.mix.max_in_flight_per_domain}
+        return quotas.get(domain)
+
+    def _in_flight_by_domain(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for lease in self.state.leases.values():
+            out[lease.task.domain] = out.get(lease.task.domain, 0) + 1
+        return out
+
+    def budget(self) -> int:
+        cfg: SchedulerConfig = self.config
+        return issue_budget(
+            in_flight=len(self.state.leases),
+            max_in_flight=cfg.max_in_flight,
+            groups_per_version=self.state.groups_per_version or cfg.groups_per_version,
+            max_staleness=cfg.max_staleness,
+            done_since_version=self.state.done_since_version,
+        )
+
+    def _plan(self) -> Iterator[Task]:
+        """New tasks within the budget, domain by the mix, tier by the curriculum."""
+        by_domain = self._in_flight_by_domain()
+        eligible = set(self.curricula)
+        for _ in range(self.budget()):
+            eligible = {d for d in eligible if (q := self._quota(d)) is None
+                        or by_domain.get(d, 0) < q}
+            probs = self.probabilities(eligible)
+            if not probs:
+                return
+            rng = random.Random(f"{self.config.seed}:{self.state.issued}")
+            domain = draw_domain(probs, rng)
+            task = self._new_task(domain, rng)
+            if task is None:
+                eligible.discard(domain)
+                continue
+            by_domain[domain] = by_domain.get(domain, 0) + 1
+            yield task
+
+    def _new_task(self, name: str, rng: random.Random) -> Task | None:
+        cfg: SchedulerConfig = self.config
+        curriculum = self.curricula[name]
+        tier = curriculum.choose_tier(rng, cfg.group_size)
+        spec = self._draw_spec(name, tier, rng)
+        if spec is None:
+            return None
+        st = self.state
+        task = Task(
+            task_id=f"{spec.task_id}@{st.issued}",
+            domain=name,
+            tier=spec.tier,
+            prompt=self.registry.get(name).prompt(spec),
+            spec=spec.spec,
+            group_size=cfg.group_size,
+            attempt=1,
+            min_version=max(0, st.version - cfg.max_staleness),
+            purpose="train",
+        )
+        st.issued += 1
+        now = time.time()
+        st.leases[task.task_id] = Lease(task=task, base_id=spec.task_id, issued_at=now,
+                                        deadline=now + cfg.lease_s)
+        st.counters[name].issued += 1
+        self._dirty = True
+        return task
+
+    def _draw_spec(self, name: str, tier: int, rng: random.Random) -> Any:
+        """A training task at (or, for task files, nearest to) `tier`, never a held-out one."""
+        cfg: SchedulerConfig = self.config
+        if name in self.file_tasks:
+            pool = self.file_tasks[name]
+            tiers = sorted({t.tier for t in pool.values()}, key=lambda t: (abs(t - tier), t))
+            ids = sorted(tid for tid, t in pool.items() if t.tier == tiers[0])
+            records = self.state.task_records.get(name, {})
+            return pool[pick_recurring_task(ids, records, rng, cfg.group_size)]
+        domain = self.registry.get(name)
+        for _ in range(64):
+            spec = domain.sample_task(rng, tier)
+            if fingerprint(spec.prompt) not in self.heldout[name]:
+                return spec
+            self.state.counters[name].heldout_skips += 1
+        say(f"domain {name} tier {tier}: 64 draws all in the held-out set; skipping it")
+        return None
+
+    def _expired_leases(self, now: float) -> list[Task]:
+        """Reissue (attempt + 1) the tasks whose lease ran out; abandon after max_attempts."""
+        cfg: SchedulerConfig = self.config
+        st = self.state
+        out = []
+        for task_id, lease in list(st.leases.items()):
+            if lease.deadline > now:
+                continue
+            c = st.counters.setdefault(lease.task.domain, DomainCounters())
+            if lease.task.attempt >= cfg.max_attempts:
+                del st.leases[task_id]
+                c.abandoned += 1
+                say(f"task {task_id} abandoned after {lease.task.attempt} attempts")
+                continue
+            task = msgspec.structs.replace(
+                lease.task, attempt=lease.task.attempt + 1,
+                min_version=max(0, st.version - cfg.max_staleness),
+            )
+            lease.task, lease.deadline = task, now + cfg.lease_s
+            c.reissued += 1
+            out.append(task)
+        horizon = now - cfg.lease_s * (cfg.max_attempts + 1)
+        for key in [k for k, t in st.tallies.items() if t.first_seen < horizon]:
+            del st.tallies[key]  # a partial group nobody will finish
+        if out:
+            self._dirty = True
+        return out
+
+    # -- runtime adjustment and persistence ---------------------------------------------
+
+    def _reload_mix(self) -> None:
+        try:
+            mtime = self.mix_path.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if mtime == self._mix_mtime:
+            return
+        self._mix_mtime = mtime
+        try:
+            mix = msgspec.json.decode(self.mix_path.read_bytes(), type=MixOverride)
+            for name in mix.weights:
+                if name not in self.curricula:
+                    self._join(name)
+        except (msgspec.ValidationError, msgspec.DecodeError, KeyError, ValueError) as exc:
+            say(f"ignoring mix file {self.mix_path}: {exc}")
+            return
+        self.mix = mix
+        say(f"mix from {self.mix_path}: {msgspec.json.encode(mix).decode()}")
+
+    def _persist_if_due(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self._dirty and (force or now - self._last_persist >= self.config.persist_every_s):
+            save_state(self.state_path, self.state)
+            self._dirty = False
+            self._last_persist = now
+
+    # -- figures ----------------------------------------------------------------------
+
+    def figures(self) -> dict[str, float]:
+        st = self.state
+        out: dict[str, float] = {
+            "policy_version": float(st.version),
+            "in_flight": float(len(st.leases)),
+            "issue_budget": float(self.budget()),
+            "done_since_version": float(st.done_since_version),
+            "rollbacks": float(st.rollbacks),
+        }
+        probs = self.probabilities(set(self.curricula))
+        for d, cur in self.curricula.items():
+            c = st.counters.get(d, DomainCounters())
+            out[f"{d}.tier"] = float(cur.level)
+            out[f"{d}.mix"] = probs.get(d, 0.0)
+            for tier, frac in cur.tier_mix().items():
+                out[f"{d}.tier_mix.{tier}"] = frac
+            out[f"{d}.groups"] = float(c.groups)
+            out[f"{d}.informative_groups"] = float(c.informative_groups)
+            out[f"{d}.wasted_tokens"] = float(c.wasted_tokens)
+            out[f"{d}.wasted_token_frac"] = c.wasted_tokens / c.tokens if c.tokens else 0.0
+            out[f"{d}.reward_mean"] = c.rewards.mean
+            out[f"{d}.reward_std"] = c.rewards.std
+            out[f"{d}.reward_count"] = float(c.rewards.count)
+            out[f"{d}.reissued"] = float(c.reissued)
+            out[f"{d}.abandoned"] = float(c.abandoned)
+        return out

@@ -1,0 +1,80 @@
+"""Helpers of the scheduler/evaluator tests: a fake sampler+verifier on a real bus."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import trio
+from reinforge.core import messages as m
+from reinforge.core import subjects
+from reinforge.core.actor import Actor, Input
+
+
+def scored_group(task: m.Task, rewards: list[float], *, tokens: int = 10,
+                 attempt: int | None = None, infra: tuple[int, ...] = ()) -> list[m.ScoredRollout]:
+    """What verifiers would publish for one group of `task` (one reward per sample)."""
+    attempt = task.attempt if attempt is None else attempt
+    out = []
+    for i, reward in enumerate(rewards):
+        rollout = m.Rollout(
+            rollout_id=f"{task.task_id}:{i}:{attempt}", task_id=task.task_id, sample_index=i,
+            domain=task.domain, tier=task.tier, prompt=task.prompt, completion="...",
+            output_ids=list(range(tokens)), logprobs=[-1.0] * tokens, spec=task.spec,
+            group_size=task.group_size, purpose=task.purpose,
+        )
+        bad = i in infra
+        out.append(m.ScoredRollout(
+            rollout=rollout, reward=0.0 if bad else reward,
+            outcome=m.Outcome.INFRA_ERROR if bad else (
+                m.Outcome.PASS if reward >= 1.0 else m.Outcome.FAIL),
+        ))
+    return out
+
+
+async def publish_scored(bus, run: str, scored: list[m.ScoredRollout]) -> None:
+    for s in scored:
+        await bus.publish_durable(
+            subjects.scored(run, s.rollout.domain), s, msg_id=f"scored:{s.rollout.rollout_id}"
+        )
+
+
+class TaskWatcher:
+    """Reads every Task the scheduler publishes (its own durable consumer on task.*)."""
+
+    def __init__(self, bus, run: str, group: str = "watcher") -> None:
+        self.bus = bus
+        self.run = run
+        self.group = group
+        self.tasks: list[m.Task] = []
+
+    async def until(self, pred: Callable[[list[m.Task]], bool], timeout_s: float = 30.0,
+                    on_task: Callable | None = None) -> list[m.Task]:
+        stream = await self.bus.ensure_run_stream(self.run)
+        subject = subjects.task(self.run, "*")
+        durable = subjects.durable_name(self.run, self.group, subject)
+        async with self.bus.pull_consumer(stream=stream, durable=durable,
+                                          filter_subject=subject) as c:
+            with trio.fail_after(timeout_s):
+                while not pred(self.tasks):
+                    batch = await c.fetch(256, timeout_s=0.3)
+                    for d in batch:
+                        task = m.decode(d.data)
+                        self.tasks.append(task)
+                        if on_task is not None:
+                            await on_task(task)
+                    await c.ack(batch)
+        return self.tasks
+
+
+class HangingSampler(Actor):
+    """A sampler that takes tasks and never answers: to be killed with its work in hand."""
+
+    actor_type = "sampler"
+
+    def inputs(self) -> list[Input]:
+        return [Input(subject=subjects.task(self.ctx.run, "*"), handler=self.on_task,
+                      accepts=(m.Task,), ack_wait_s=60.0)]
+
+    async def on_task(self, msg: m.Task) -> None:
+        with self.ctx.waiting(f"pretend generation of {msg.task_id}"):
+            await trio.sleep_forever()

@@ -1,0 +1,233 @@
+"""The scheduler's pure logic: tiers, signal, mixing, flow control (no bus)."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from math import comb
+
+import pytest
+from reinforge.actors.curriculum import (
+    CurriculumConfig,
+    DomainCurriculum,
+    RunningStats,
+    TaskRecord,
+    draw_domain,
+    group_is_informative,
+    informative_probability,
+    issue_budget,
+    mix_probabilities,
+    pass_at_k,
+    pick_recurring_task,
+)
+
+CFG = CurriculumConfig(min_groups=3, window_groups=4, explore=0.0)
+
+
+def test_informative_probability_matches_the_binomial_by_hand():
+    assert informative_probability(0.5, 4) == pytest.approx(1 - 2 / 16)
+    assert informative_probability(0.9, 2) == pytest.approx(2 * 0.9 * 0.1)
+    assert informative_probability(1.0, 8) == 0.0
+    assert informative_probability(0.0, 8) == 0.0
+    assert informative_probability(0.5, 1) == 0.0
+
+
+def test_a_group_is_informative_only_when_its_rewards_differ():
+    assert not group_is_informative([1.0, 1.0, 1.0])
+    assert not group_is_informative([0.0, 0.0])
+    assert not group_is_informative([1.0])
+    assert group_is_informative([0.0, 1.0, 1.0])
+    assert group_is_informative([0.5, 0.25])
+
+
+def test_pass_at_k_equals_the_combinatorial_formula():
+    for n, c, k in [(10, 3, 1), (10, 3, 5), (4, 0, 4), (4, 4, 1), (20, 7, 4), (5, 1, 5)]:
+        want = 1 - comb(n - c, k) / comb(n, k)
+        assert pass_at_k(n, c, k) == pytest.approx(want)
+    assert pass_at_k(8, 2, 1) == pytest.approx(2 / 8)  # pass@1 is the mean
+    with pytest.raises(ValueError, match="k <= n"):
+        pass_at_k(3, 1, 4)
+
+
+def test_the_curriculum_moves_a_domain_up_a_tier_when_its_tasks_are_all_solved():
+    cur = DomainCurriculum.new(CFG, n_tiers=3)
+    moves = [cur.record(0, 1.0) for _ in range(3)]
+    assert moves == [0, 0, 1]
+    assert cur.level == 1
+    # the next move needs min_groups new groups at the new level
+    assert cur.record(1, 1.0) == 0 and cur.record(1, 1.0) == 0
+    assert cur.record(1, 1.0) == 1 and cur.level == 2
+    for _ in range(5):  # top tier: nowhere to go
+        cur.record(2, 1.0)
+    assert cur.level == 2
+
+
+def test_the_curriculum_moves_a_domain_down_a_tier_when_none_are_solved():
+    cur = DomainCurriculum.new(CurriculumConfig(start_tier=2, min_groups=3, explore=0.0), 4)
+    assert cur.level == 2
+    assert [cur.record(2, 0.0) for _ in range(3)] == [0, 0, -1]
+    assert cur.level == 1
+    for _ in range(3):
+        cur.record(1, 0.0)
+    assert cur.level == 0
+    for _ in range(4):
+        cur.record(0, 0.0)
+    assert cur.level == 0
+
+
+def test_mixed_results_keep_the_domain_at_its_tier():
+    cur = DomainCurriculum.new(CFG, n_tiers=3)
+    for r in [0.5, 0.25, 0.75, 0.5, 0.5, 0.625]:
+        assert cur.record(0, r) == 0
+    assert cur.level == 0
+
+
+def test_groups_at_other_tiers_do_not_move_the_level():
+    cur = DomainCurriculum.new(CFG, n_tiers=3)
+    for _ in range(6):
+        assert cur.record(1, 1.0) == 0  # exploration results inform predictions only
+    assert cur.level == 0
+    assert cur.predicted(1) > 0.8
+
+
+def test_exploration_goes_to_the_neighbour_tier_predicted_to_carry_more_signal():
+    cur = DomainCurriculum.new(CurriculumConfig(explore=1.0, prior_groups=1.0), 3)
+    cur.state.level = 1
+    cur.state.windows = {0: [1.0] * 8, 1: [0.9] * 8, 2: [0.5] * 8}
+    rng = random.Random(0)
+    seen = Counter(cur.choose_tier(rng, 8) for _ in range(1000))
+    assert set(seen) == {0, 2}
+    p0 = informative_probability(cur.predicted(0), 8) + 0.05
+    p2 = informative_probability(cur.predicted(2), 8) + 0.05
+    share = p2 / (p0 + p2)
+    assert share > 0.8
+    assert abs(seen[2] / 1000 - share) < 4 * math.sqrt(share * (1 - share) / 1000)
+    assert cur.tier_mix() == {0: seen[0] / 1000, 2: seen[2] / 1000}
+
+
+def test_without_exploration_every_task_is_at_the_level():
+    cur = DomainCurriculum.new(CurriculumConfig(explore=0.0, start_tier=2), 5)
+    rng = random.Random(1)
+    assert {cur.choose_tier(rng, 4) for _ in range(50)} == {2}
+
+
+def test_an_unseen_tier_is_predicted_from_its_nearest_observed_neighbour():
+    cur = DomainCurriculum.new(CurriculumConfig(tier_step=0.3, prior_groups=1.0), 4)
+    assert cur.predicted(2) == pytest.approx(0.5)  # nothing known: the prior
+    cur.state.windows = {1: [0.9, 0.9]}
+    assert cur.predicted(2) == pytest.approx(0.6)
+    assert cur.predicted(0) == pytest.approx(0.98)  # clipped
+    # an observed tier is its window mean shrunk by one pseudo-group of its prior
+    assert cur.predicted(1) == pytest.approx((1.8 + 0.5) / 3)
+
+
+def test_bad_curriculum_configs_are_refused_with_the_constraint_named():
+    with pytest.raises(ValueError, match="demote_below < promote_above"):
+        CurriculumConfig(promote_above=0.3, demote_below=0.6)
+    with pytest.raises(ValueError, match="min_groups <= window_groups"):
+        CurriculumConfig(min_groups=9, window_groups=4)
+
+
+def test_mixing_weights_are_honoured_within_sampling_error():
+    weights = {"math": 3.0, "code": 1.0, "docqa": 1.0}
+    probs = mix_probabilities(weights)
+    assert probs == pytest.approx({"math": 0.6, "code": 0.2, "docqa": 0.2})
+    rng = random.Random(11)
+    n = 5000
+    counts = Counter(draw_domain(probs, rng) for _ in range(n))
+    for d, p in probs.items():
+        sd = math.sqrt(n * p * (1 - p))
+        assert abs(counts[d] - n * p) < 4 * sd, (d, counts[d], n * p)
+
+
+def test_replay_floors_raise_a_critical_domain_and_shrink_the_others():
+    probs = mix_probabilities({"math": 9.0, "code": 1.0, "judge": 0.0}, floors={"judge": 0.2})
+    assert probs["judge"] == pytest.approx(0.2)
+    assert probs["math"] == pytest.approx(0.8 * 0.9)
+    assert probs["code"] == pytest.approx(0.8 * 0.1)
+    # a floor already met changes nothing
+    probs = mix_probabilities({"math": 1.0, "code": 1.0}, floors={"code": 0.1})
+    assert probs == pytest.approx({"math": 0.5, "code": 0.5})
+    with pytest.raises(ValueError, match="more than 1"):
+        mix_probabilities({"a": 1.0, "b": 1.0}, floors={"a": 0.7, "b": 0.6})
+
+
+def test_ineligible_domains_get_nothing_and_boosts_multiply_weights():
+    probs = mix_probabilities({"math": 1.0, "code": 1.0}, eligible={"code"}, floors={"math": 0.5})
+    assert probs == {"code": 1.0}
+    probs = mix_probabilities({"math": 1.0, "code": 1.0}, boosts={"code": 3.0})
+    assert probs == pytest.approx({"math": 0.25, "code": 0.75})
+    assert mix_probabilities({"math": 1.0}, eligible=set()) == {}
+
+
+def test_recurring_tasks_are_picked_where_their_posterior_pass_rate_is_informative():
+    records = {
+        "solved": TaskRecord(passes=40, fails=0),
+        "hopeless": TaskRecord(passes=0, fails=40),
+        "edge": TaskRecord(passes=10, fails=10),
+    }
+    rng = random.Random(5)
+    counts = Counter(
+        pick_recurring_task(["solved", "hopeless", "edge"], records, rng, 8) for _ in range(2000)
+    )
+    # weights: informative_probability of the Beta posterior mean, plus the 0.05 floor
+    w = {k: informative_probability((1 + r.passes) / (2 + r.passes + r.fails), 8) + 0.05
+         for k, r in records.items()}
+    share = w["edge"] / sum(w.values())
+    assert share > 0.65
+    assert abs(counts["edge"] / 2000 - share) < 4 * math.sqrt(share * (1 - share) / 2000)
+    assert counts["solved"] > 0 and counts["hopeless"] > 0  # still revisited (floor)
+
+
+def test_the_issue_budget_follows_learner_demand_and_staleness():
+    # 4 groups per version, staleness 1 -> at most 8 groups ahead of the learner
+    assert issue_budget(in_flight=0, max_in_flight=100, groups_per_version=4, max_staleness=1,
+                        done_since_version=0) == 8
+    assert issue_budget(in_flight=5, max_in_flight=100, groups_per_version=4, max_staleness=1,
+                        done_since_version=2) == 1
+    assert issue_budget(in_flight=5, max_in_flight=100, groups_per_version=4, max_staleness=1,
+                        done_since_version=6) == 0
+    assert issue_budget(in_flight=3, max_in_flight=4, groups_per_version=100, max_staleness=3,
+                        done_since_version=0) == 1
+
+
+def test_running_stats_match_numpy_mean_and_population_std():
+    xs = [0.0, 1.0, 1.0, 0.5, 0.25, 1.0]
+    rs = RunningStats()
+    for x in xs:
+        rs.add(x)
+    mean = sum(xs) / len(xs)
+    assert rs.mean == pytest.approx(mean)
+    assert rs.std == pytest.approx(math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs)))
+
+
+def simulate_wasted_fraction(choose, true_rates, *, groups=2000, group_size=8, seed=0):
+    """Fraction of groups with no signal when tiers are chosen by `choose(rng)` and each
+    sample of a tier-t task passes with probability true_rates[t]."""
+    rng = random.Random(seed)
+    wasted = 0
+    for _ in range(groups):
+        tier = choose(rng)
+        rewards = [1.0 if rng.random() < true_rates[tier] else 0.0 for _ in range(group_size)]
+        wasted += not group_is_informative(rewards)
+        record = getattr(choose, "record", None)
+        if record is not None:  # a curriculum learns from what it chose
+            record(tier, sum(rewards) / group_size)
+    return wasted / groups
+
+
+def test_in_simulation_the_curriculum_wastes_fewer_groups_than_fixed_or_uniform_tiers():
+    true_rates = [0.99, 0.97, 0.6, 0.1, 0.01]  # only tier 2 is in the informative band
+    cur = DomainCurriculum.new(CurriculumConfig(), len(true_rates))
+
+    def by_curriculum(rng):
+        return cur.choose_tier(rng, 8)
+
+    by_curriculum.record = cur.record
+    curriculum = simulate_wasted_fraction(by_curriculum, true_rates)
+    uniform = simulate_wasted_fraction(lambda rng: rng.randrange(5), true_rates)
+    easiest = simulate_wasted_fraction(lambda rng: 0, true_rates)
+    assert cur.level == 2
+    assert curriculum < 0.5 * uniform and curriculum < 0.5 * easiest, (curriculum, uniform,
+                                                                         easiest)

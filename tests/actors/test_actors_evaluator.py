@@ -1,0 +1,324 @@
+"""The evaluator: scoring, contamination, the regression guard (real nats-server), and
+`reinforge eval` on a tiny checkpoint through the embedded rollout server."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import random
+from math import comb
+
+import msgspec
+import pytest
+import trio
+from reinforge.actors.eval_cli import register
+from reinforge.actors.evalsets import (
+    ContaminationError,
+    HeldOutConfig,
+    build_heldout,
+    check_contamination,
+    fingerprint,
+    require_clean,
+)
+from reinforge.actors.evaluator import (
+    Evaluator,
+    EvaluatorConfig,
+    GoodVersion,
+    evaluate_sets,
+    regression_rollback,
+    score_domain,
+)
+from reinforge.core import messages as m
+from reinforge.core import subjects
+from reinforge.core.actor import run_actor
+from reinforge.core.bus import open_bus
+from reinforge.envs.domain import DomainRegistry
+
+HELD = HeldOutConfig(tasks_per_tier=2)
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [x for e in exc.exceptions for x in _leaves(e)]
+    return [exc]
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+def test_scores_are_pass_at_1_means_and_unbiased_pass_at_k_by_hand():
+    T, F = True, False
+    s = score_domain("math", [[T, F, T, F], [F, F, F, F], [T, T, T, T]], k=2)
+    assert s.n_tasks == 3 and s.samples == 4
+    assert s.pass_at_1 == pytest.approx((0.5 + 0.0 + 1.0) / 3)
+    assert s.pass_at_k == pytest.approx(((1 - comb(2, 2) / comb(4, 2)) + 0.0 + 1.0) / 3)
+    assert s.run_pass_rates == pytest.approx([2 / 3, 1 / 3, 2 / 3, 1 / 3])
+    assert s.run_std == pytest.approx(1 / 6)
+
+
+def test_infrastructure_faults_are_masked_not_counted_as_failures():
+    s = score_domain("code", [[None, True], [None, None]], k=2)
+    assert s.infra_errors == 3
+    assert s.n_tasks == 1  # a task with no verified sample is not scored
+    assert s.pass_at_1 == 1.0 and s.pass_at_k == 1.0  # k falls to the one verified sample
+
+
+class Scripted:
+    """Completions by policy version: the reference when good, a wrong answer when bad."""
+
+    def __init__(self, good: bool) -> None:
+        self.good = good
+        self.calls = 0
+
+    async def complete(self, task, n):
+        self.calls += 1
+        return [task.reference if self.good else "#### -987654321"] * n
+
+
+def test_evaluate_sets_verifies_every_sample_with_its_domain():
+    reg = DomainRegistry.default()
+    sets = build_heldout(reg, ["math"], HELD)
+
+    async def main():
+        good = await evaluate_sets(sets, {"math": reg.get("math")}, Scripted(True),
+                                   samples=3, k=2)
+        bad = await evaluate_sets(sets, {"math": reg.get("math")}, Scripted(False),
+                                  samples=3, k=2)
+        return good["math"], bad["math"]
+
+    good, bad = trio.run(main)
+    assert good.n_tasks == len(sets["math"]) == 10
+    assert (good.pass_at_1, good.pass_at_k) == (1.0, 1.0)
+    assert (bad.pass_at_1, bad.pass_at_k) == (0.0, 0.0)
+
+
+# ----------------------------------------------------------------------------- contamination
+
+
+def test_contamination_is_detected_on_a_planted_overlap():
+    reg = DomainRegistry.default()
+    held = build_heldout(reg, ["math", "docqa"], HELD)
+    evals = [(t.task_id, t.prompt) for ts in held.values() for t in ts]
+    rng = random.Random(1)
+    train = []
+    fps = {fingerprint(p) for _, p in evals}
+    for d in ("math", "docqa"):
+        for i in range(60):
+            t = reg.get(d).sample_task(rng, i % len(reg.get(d).tiers))
+            if fingerprint(t.prompt) not in fps:
+                train.append((t.task_id, t.prompt))
+    clean = check_contamination(train, evals)
+    assert clean.clean, clean.summary()
+    require_clean(clean)
+    # plant: one held-out prompt verbatim (other spacing and case), one docqa document
+    # pasted inside a longer training prompt
+    math_t = held["math"][3]
+    doc_t = held["docqa"][1]
+    planted = train + [
+        ("leak-1", "  " + math_t.prompt.upper().replace(" ", "   ")),
+        ("leak-2", "Read this first.\n" + doc_t.prompt + "\nThen answer something else."),
+    ]
+    report = check_contamination(planted, evals)
+    found = {o.eval_id: o for o in report.overlaps}
+    assert set(found) == {math_t.task_id, doc_t.task_id}
+    assert found[math_t.task_id].exact and found[math_t.task_id].train_id == "leak-1"
+    assert found[doc_t.task_id].overlap > 0.9 and found[doc_t.task_id].train_id == "leak-2"
+    with pytest.raises(ContaminationError, match="2 of .* eval prompts overlap"):
+        require_clean(report)
+
+
+def test_shared_template_text_alone_is_not_contamination():
+    train = [(f"t{i}", f"Compute {i} + {i + 1}. End with '#### <answer>'.") for i in range(40)]
+    evals = [(f"e{i}", f"Compute {i} * {i + 2}. End with '#### <answer>'.") for i in range(10)]
+    assert check_contamination(train, evals).clean
+
+
+def test_held_out_sets_are_deterministic_and_free_of_duplicates():
+    reg = DomainRegistry.default()
+    a = build_heldout(reg, ["math", "code"], HELD)
+    b = build_heldout(reg, ["math", "code"], HELD)
+    assert [t.prompt for t in a["math"]] == [t.prompt for t in b["math"]]
+    for ts in a.values():
+        assert len({fingerprint(t.prompt) for t in ts}) == len(ts)
+        assert all(t.task_id.startswith("heldout-") for t in ts)
+    other = build_heldout(reg, ["math"], HeldOutConfig(tasks_per_tier=2, seed=7))
+    assert [t.prompt for t in other["math"]] != [t.prompt for t in a["math"]]
+
+
+# ----------------------------------------------------------------------------- the guard
+
+
+def _score(p1: float, n_tasks: int = 4):
+    return score_domain("x", [[True] * round(p1 * 4) + [False] * (4 - round(p1 * 4))] * n_tasks,
+                        k=2)
+
+
+def test_a_domain_below_its_threshold_rolls_back_to_the_last_good_version():
+    scores = {"math": _score(0.25), "docqa": _score(1.0)}
+    below, rb = regression_rollback(7, scores, {"math": 0.5, "docqa": 0.5},
+                                    GoodVersion(version=5, path="/ckpt/v5"))
+    assert below == ["math"]
+    assert isinstance(rb, m.Rollback)
+    assert (rb.to_version, rb.path) == (5, "/ckpt/v5")
+    assert "version 7 regressed" in rb.reason and "math pass@1 0.250 < 0.500" in rb.reason
+    assert m.decode(m.encode(rb)) == rb  # well-formed on the wire
+
+
+def test_no_rollback_without_an_earlier_good_version_or_a_regression():
+    scores = {"math": _score(0.25)}
+    assert regression_rollback(3, scores, {"math": 0.5}, None) == (["math"], None)
+    assert regression_rollback(3, scores, {"math": 0.5}, GoodVersion(version=3, path="p")) == (
+        ["math"], None)
+    assert regression_rollback(3, scores, {"math": 0.2}, GoodVersion(version=1, path="p")) == (
+        [], None)
+    empty = {"math": score_domain("math", [[None, None]], k=1)}
+    assert regression_rollback(3, empty, {"math": 0.5}, GoodVersion(version=1, path="p")) == (
+        [], None)
+
+
+# ----------------------------------------------------------------------------- the actor
+
+
+class ScriptedEvaluator(Evaluator):
+    """The evaluator with its rollout server replaced: versions in BAD answer wrongly."""
+
+    BAD = {3}
+
+    async def source_for(self, msg):
+        return Scripted(msg.version not in self.BAD)
+
+
+async def _read(bus, run, subject, until, timeout_s=30.0):
+    stream = await bus.ensure_run_stream(run)
+    got = []
+    with trio.fail_after(timeout_s):
+        while not until(got):
+            got = [d async for d in bus.read_stream(stream, filter_subject=subject)]
+            await trio.sleep(0.1)
+    return got
+
+
+@pytest.mark.nats
+def test_a_planted_regression_publishes_a_rollback_to_the_last_good_version(
+    creds, run_name, tmp_path
+):
+    cfg = EvaluatorConfig(domains=["math"], k=2, samples=2, heldout=HELD,
+                          thresholds={"math": 0.5}, state_file=str(tmp_path / "ev.json"))
+
+    async def main():
+        async with open_bus(creds) as bus:
+            await bus.ensure_run_stream(run_name)
+            weights = subjects.weights(run_name)
+            async with trio.open_nursery() as nursery, bus.subscribe(weights) as follower:
+                await nursery.start(functools.partial(
+                    run_actor, ScriptedEvaluator, creds=creds, run=run_name, config=cfg))
+                for v in (1, 2, 3):
+                    await bus.publish_durable(
+                        weights, m.WeightsPublished(version=v, path=f"/ckpt/v{v}", step=v * 10),
+                        msg_id=f"weights:{v}")
+                with trio.fail_after(30):  # what a sampler/learner subscribed to weights sees
+                    seen = []
+                    async for batch in follower:
+                        seen += [m.decode(r.data) for r in batch]
+                        if any(isinstance(x, m.Rollback) for x in seen):
+                            break
+                stats = await _read(bus, run_name, subjects.stats(run_name, "eval"),
+                                    lambda g: len(g) >= 3)
+                stored = await _read(bus, run_name, weights, lambda g: len(g) >= 4)
+                nursery.cancel_scope.cancel()
+        rollback = [x for x in seen if isinstance(x, m.Rollback)]
+        assert len(rollback) == 1
+        assert (rollback[0].to_version, rollback[0].path) == (2, "/ckpt/v2")
+        assert "version 3 regressed" in rollback[0].reason
+        last = stored[-1]
+        assert m.decode(last.data) == rollback[0]
+        assert last.headers["Nats-Msg-Id"] == "rollback:2:3"
+        evals = sorted((e.version, e.domain, e.pass_at_1, e.pass_at_k, e.k, e.n_tasks)
+                       for e in (m.decode(d.data) for d in stats))
+        assert evals == [(1, "math", 1.0, 1.0, 2, 10), (2, "math", 1.0, 1.0, 2, 10),
+                         (3, "math", 0.0, 0.0, 2, 10)]
+        state = json.loads((tmp_path / "ev.json").read_text())
+        assert state["last_good"] == {"version": 2, "path": "/ckpt/v2"}
+        assert state["rolled_back"] == [3]
+
+    trio.run(main)
+
+
+@pytest.mark.nats
+def test_the_evaluator_refuses_to_start_when_issued_training_tasks_overlap_its_held_out_set(
+    creds, run_name, tmp_path
+):
+    held = build_heldout(DomainRegistry.default(), ["math"], HELD)["math"]
+    leaked = held[0]
+    cfg = EvaluatorConfig(domains=["math"], k=1, heldout=HELD,
+                          state_file=str(tmp_path / "ev.json"))
+
+    async def main():
+        async with open_bus(creds) as bus:
+            await bus.ensure_run_stream(run_name)
+            task = m.Task(task_id="math-leak@0", domain="math", tier=leaked.tier,
+                          prompt=leaked.prompt, spec=leaked.spec, group_size=2)
+            await bus.publish_durable(subjects.task(run_name, "math"), task, "task:leak:1")
+            async with trio.open_nursery() as nursery:
+                await nursery.start(functools.partial(
+                    run_actor, Evaluator, creds=creds, run=run_name, config=cfg))
+
+    with pytest.raises(BaseException) as info:
+        trio.run(main)
+    errors = [e for e in _leaves(info.value) if isinstance(e, ContaminationError)]
+    assert errors, info.value
+    assert leaked.task_id in str(errors[0]) and "math-leak@0" in str(errors[0])
+
+
+def test_the_evaluator_refuses_to_start_on_a_contaminated_training_file(tmp_path):
+    """The same check from `reinforge eval --train-file` (no bus needed)."""
+    held = build_heldout(DomainRegistry.default(), ["math"], HELD)["math"]
+    spec = held[2].spec
+    train = tmp_path / "train.jsonl"
+    train.write_text(json.dumps({"question": spec["question"], "answer": spec["answer"]}) + "\n"
+                     + json.dumps({"question": "Compute 1234 * 5678.", "answer": "7006652"}))
+    parser = argparse.ArgumentParser(prog="reinforge")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["eval", "--model", str(tmp_path), "--domains", "math",
+                              "--tasks-per-tier", "2", "--train-file", f"math={train}"])
+    (tmp_path / "config.json").write_text("{}")
+    from reinforge.cli import UserError
+
+    with pytest.raises(UserError, match="contaminated held-out set: 1 of 10 eval prompts"):
+        args.func(args)
+
+
+def test_reinforge_eval_rejects_k_larger_than_samples_and_a_missing_model(tmp_path):
+    from reinforge.cli import UserError
+
+    parser = argparse.ArgumentParser(prog="reinforge")
+    register(parser.add_subparsers(dest="command"))
+    with pytest.raises(UserError, match="--samples >= k"):
+        args = parser.parse_args(["eval", "--model", str(tmp_path), "--k", "4", "--samples", "2"])
+        args.func(args)
+    with pytest.raises(UserError, match="no config.json"):
+        args = parser.parse_args(["eval", "--model", str(tmp_path / "nope")])
+        args.func(args)
+
+
+@pytest.mark.slow
+def test_reinforge_eval_scores_a_hugging_face_checkpoint_offline(tiny_model_dir, capsys):
+    parser = argparse.ArgumentParser(prog="reinforge")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args([
+        "eval", "--model", str(tiny_model_dir), "--domains", "math,judge", "--k", "2",
+        "--samples", "3", "--tasks-per-tier", "1", "--max-new-tokens", "8", "--json",
+    ])
+    assert args.func(args) == 0
+    out = capsys.readouterr()
+    result = json.loads(out.out.strip().splitlines()[-1])
+    assert result["k"] == 2 and result["samples"] == 3
+    for d, n_tiers in (("math", 5), ("judge", 4)):
+        s = result["domains"][d]
+        assert s["n_tasks"] == n_tiers  # one held-out task per tier, every one answered
+        assert 0.0 <= s["pass_at_1"] <= s["pass_at_k"] <= 1.0
+        assert len(s["run_pass_rates"]) == 3
+        assert s["infra_errors"] == 0
+    assert "pass@2" in out.err  # the table went to stderr
+    msgspec.json.decode(out.out.strip().splitlines()[-1])  # stdout is exactly the JSON

@@ -1,0 +1,297 @@
+"""The scheduler actor against a real nats-server, with a fake sampler+verifier in the test."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import signal
+from collections import Counter
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import trio
+from reinforge.actors.curriculum import CurriculumConfig
+from reinforge.actors.evalsets import HeldOutConfig, build_heldout, fingerprint
+from reinforge.actors.scheduler import (
+    Scheduler,
+    SchedulerConfig,
+    group_key,
+    load_state,
+    split_rollout_id,
+)
+from reinforge.core import messages as m
+from reinforge.core import subjects
+from reinforge.core.actor import RuntimeConfig, run_actor
+from reinforge.core.bus import open_bus
+from reinforge.envs.domain import DomainRegistry
+from sched_fixtures import TaskWatcher, publish_scored, scored_group
+
+pytestmark = [pytest.mark.nats]
+
+SAMPLER = str(Path(__file__).with_name("sched_fixtures.py"))
+
+
+def config(tmp_path, **kw) -> SchedulerConfig:
+    kw.setdefault("tick_s", 0.1)
+    kw.setdefault("persist_every_s", 0.05)
+    return SchedulerConfig(state_file=str(tmp_path / "state.json"),
+                           mix_file=str(tmp_path / "mix.json"), **kw)
+
+
+@asynccontextmanager
+async def scheduler(creds, run, cfg, *, graceful=True):
+    async with trio.open_nursery() as nursery:
+        ctx = await nursery.start(functools.partial(
+            run_actor, Scheduler, creds=creds, run=run, config=cfg,
+            runtime=RuntimeConfig(heartbeat_s=0.2)))
+        yield ctx
+        if graceful:
+            ctx.stop_requested.set()
+        else:
+            nursery.cancel_scope.cancel()  # like kill -9: no teardown
+
+
+async def wait_state(path, pred, timeout_s=15.0):
+    with trio.fail_after(timeout_s):
+        while True:
+            st = load_state(path) if path.exists() else None
+            if st is not None and pred(st):
+                return st
+            await trio.sleep(0.05)
+
+
+def test_split_rollout_id_reads_task_sample_and_attempt():
+    assert split_rollout_id("math-t0-abc@7:3:2") == ("math-t0-abc@7", 3, 2)
+    assert split_rollout_id("HumanEval/0@1:0:1") == ("HumanEval/0@1", 0, 1)
+
+
+def test_mixing_weights_are_honoured_when_tasks_are_issued(creds, run_name, tmp_path):
+    n = 300
+    cfg = config(tmp_path, domains={"math": 3.0, "judge": 1.0}, max_in_flight=n,
+                 groups_per_version=n, max_staleness=0, group_size=4)
+
+    async def main():
+        async with open_bus(creds) as bus, scheduler(creds, run_name, cfg):
+            tasks = await TaskWatcher(bus, run_name).until(lambda t: len(t) >= n)
+            await trio.sleep(0.5)  # nothing beyond the budget follows
+            more = await TaskWatcher(bus, run_name, "second").until(lambda t: len(t) >= n)
+            assert len(more) == n
+        counts = Counter(t.domain for t in tasks)
+        sd = math.sqrt(n * 0.75 * 0.25)
+        assert abs(counts["math"] - 0.75 * n) < 4 * sd, counts
+        assert len({t.task_id for t in tasks}) == n
+        assert all(t.attempt == 1 and t.group_size == 4 and t.purpose == "train" for t in tasks)
+        assert all(t.tier in (0, 1) for t in tasks)  # the band around the start tier
+        held = build_heldout(DomainRegistry.default(), ["math", "judge"], HeldOutConfig())
+        held_fps = {fingerprint(t.prompt) for ts in held.values() for t in ts}
+        assert not any(fingerprint(t.prompt) in held_fps for t in tasks)
+
+    trio.run(main)
+
+
+def test_the_curriculum_moves_up_on_all_pass_groups_and_down_on_all_fail_ones(
+    creds, run_name, tmp_path
+):
+    cfg = config(tmp_path, domains={"math": 1.0}, group_size=2, max_in_flight=2,
+                 groups_per_version=100,
+                 curriculum=CurriculumConfig(min_groups=2, window_groups=2, explore=0.0))
+    state_path = tmp_path / "state.json"
+
+    async def main():
+        async with open_bus(creds) as bus, scheduler(creds, run_name, cfg):
+            reward = [1.0]
+
+            async def answer(task):
+                await publish_scored(bus, run_name, scored_group(task, [reward[0]] * 2))
+
+            watcher = TaskWatcher(bus, run_name)
+            async with trio.open_nursery() as pipeline:  # a fake sampler+verifier
+                pipeline.start_soon(functools.partial(
+                    watcher.until, lambda ts: False, timeout_s=60, on_task=answer))
+                st = await wait_state(state_path, lambda s: s.curricula["math"].level >= 1)
+                assert st.curricula["math"].windows[0] == [1.0, 1.0]
+                await trio.sleep(0.5)
+                assert any(t.tier >= 1 for t in watcher.tasks)
+                reward[0] = 0.0
+                st = await wait_state(state_path, lambda s: s.curricula["math"].moves >= 2
+                                      and s.curricula["math"].level == 0)
+                pipeline.cancel_scope.cancel()
+            await trio.sleep(0.5)  # answers in transit land
+            def untouched(s):  # leases no sample has come back for
+                return [x.task for x in s.leases.values()
+                        if group_key(x.task.task_id, x.task.attempt) not in s.tallies]
+
+            st = await wait_state(state_path, lambda s: untouched(s))
+            task = untouched(st)[0]
+            c = st.counters["math"]
+            # every group was all-pass or all-fail: all of its tokens were wasted
+            assert c.groups >= 4 and c.informative_groups == 0
+            assert c.wasted_tokens == c.tokens == c.groups * 2 * 10
+            # a group with differing rewards carries signal and wastes nothing
+            await publish_scored(bus, run_name, scored_group(task, [1.0, 0.0]))
+            st = await wait_state(state_path, lambda s: s.counters["math"].informative_groups == 1)
+            assert st.counters["math"].wasted_tokens == c.wasted_tokens
+
+    trio.run(main)
+
+
+def test_a_lease_is_reissued_after_its_sampler_was_killed_and_completes_once(
+    creds, creds_file, run_name, tmp_path, spawn
+):
+    cfg = config(tmp_path, domains={"math": 1.0}, group_size=2, max_in_flight=1,
+                 lease_s=2.0, max_attempts=3)
+    state_path = tmp_path / "state.json"
+
+    async def main():
+        async with open_bus(creds) as bus:
+            async with bus.subscribe(subjects.heartbeat(run_name)) as beats:
+                sampler = spawn("actor", "run", f"{SAMPLER}:HangingSampler", "--run", run_name,
+                                "--creds", str(creds_file))
+                async with scheduler(creds, run_name, cfg):
+                    with trio.fail_after(30):  # the sampler holds the task: kill -9 it
+                        async for batch in beats:
+                            hb = [m.decode(r.data) for r in batch]
+                            if any(h.waiting_on.startswith("pretend generation") for h in hb):
+                                break
+                    sampler.send_signal(signal.SIGKILL)
+                    sampler.wait()
+                    watcher = TaskWatcher(bus, run_name)
+                    tasks = await watcher.until(lambda ts: any(t.attempt == 2 for t in ts))
+                    first = tasks[0]
+                    retry = next(t for t in tasks if t.attempt == 2)
+                    assert retry.task_id == first.task_id and first.attempt == 1
+                    assert (retry.prompt, retry.spec, retry.tier) == (
+                        first.prompt, first.spec, first.tier)
+                    await publish_scored(bus, run_name, scored_group(retry, [1.0, 0.0]))
+                    st = await wait_state(state_path, lambda s: s.counters["math"].groups == 1)
+                    assert first.task_id not in st.leases
+                    assert st.counters["math"].reissued == 1
+                    await trio.sleep(4.5)  # two more lease periods: no third attempt
+                    await watcher.until(lambda ts: len(ts) >= 3)
+                    attempts = [t.attempt for t in watcher.tasks if t.task_id == first.task_id]
+                    assert attempts == [1, 2]
+
+    trio.run(main)
+
+
+def test_a_task_is_abandoned_after_max_attempts(creds, run_name, tmp_path):
+    cfg = config(tmp_path, domains={"math": 1.0}, max_in_flight=1, lease_s=0.3, max_attempts=2)
+
+    async def main():
+        async with open_bus(creds) as bus, scheduler(creds, run_name, cfg):
+            st = await wait_state(tmp_path / "state.json",
+                                  lambda s: s.counters["math"].abandoned >= 1)
+            assert st.counters["math"].reissued >= 1
+            tasks = await TaskWatcher(bus, run_name).until(lambda ts: len(ts) >= 3)
+            first = tasks[0].task_id
+            assert [t.attempt for t in tasks if t.task_id == first] == [1, 2]
+
+    trio.run(main)
+
+
+def test_tiers_rates_and_leases_survive_a_killed_scheduler(creds, run_name, tmp_path):
+    cfg = config(tmp_path, domains={"math": 1.0}, group_size=2, max_in_flight=3, lease_s=60)
+    state_path = tmp_path / "state.json"
+
+    async def main():
+        async with open_bus(creds) as bus:
+            async with scheduler(creds, run_name, cfg, graceful=False):
+                tasks = await TaskWatcher(bus, run_name).until(lambda ts: len(ts) >= 3)
+                await publish_scored(bus, run_name, scored_group(tasks[0], [1.0, 1.0]))
+                before = await wait_state(
+                    state_path, lambda s: s.counters["math"].groups == 1 and len(s.leases) == 3)
+            # killed (no teardown); a new scheduler resumes from the file
+            async with scheduler(creds, run_name, cfg):
+                after = await wait_state(state_path, lambda s: s.issued >= 4)
+                more = await TaskWatcher(bus, run_name, "w2").until(lambda ts: len(ts) >= 4)
+        old_leases = {t.task_id for t in tasks[1:3]}
+        assert old_leases <= set(after.leases)
+        assert all(after.leases[t].task.attempt == 1 for t in old_leases)
+        assert after.curricula["math"].windows == before.curricula["math"].windows
+        assert after.counters["math"].groups == 1
+        assert [t.task_id for t in more].count(tasks[1].task_id) == 1  # not issued twice
+        assert sum(1 for t in more if t.task_id not in {x.task_id for x in tasks}) >= 1
+
+    trio.run(main)
+
+
+def test_an_announced_domain_joins_the_pool_and_the_mix_file_reweights_it(
+    creds, run_name, tmp_path
+):
+    cfg = config(tmp_path, domains={"math": 1.0}, group_size=2, max_in_flight=2)
+
+    async def main():
+        async with open_bus(creds) as bus, scheduler(creds, run_name, cfg):
+            async def answer(task):
+                await publish_scored(bus, run_name, scored_group(task, [1.0, 0.0]))
+
+            watcher = TaskWatcher(bus, run_name)
+            await watcher.until(lambda ts: len(ts) >= 2, on_task=answer)
+            await bus.publish(subjects.announce(run_name), m.Announce(
+                actor_id="verifier-x", actor_type="verifier", host="h", pid=1,
+                capabilities=["verifier for domain judge"]))
+            await watcher.until(lambda ts: any(t.domain == "judge" for t in ts), on_task=answer)
+            (tmp_path / "mix.json").write_text(json.dumps({"weights": {"math": 0.0}}))
+            await wait_state(tmp_path / "state.json", lambda s: "judge" in s.attached)
+            await trio.sleep(0.5)
+            n_seen = len(watcher.tasks)
+            await watcher.until(lambda ts: len(ts) >= n_seen + 10, on_task=answer)
+            later = watcher.tasks[n_seen + 3:]  # past what was in flight at the switch
+            assert later and all(t.domain == "judge" for t in later)
+
+    trio.run(main)
+
+
+def test_a_domain_below_its_eval_threshold_gets_a_larger_share(creds, run_name, tmp_path):
+    cfg = config(tmp_path, domains={"math": 1.0, "judge": 1.0}, min_pass_at_1={"judge": 0.5},
+                 regression_boost=3.0)
+
+    async def main():
+        async with open_bus(creds) as bus, scheduler(creds, run_name, cfg) as ctx:
+            async with bus.subscribe(subjects.heartbeat(run_name, ctx.actor_id)) as beats:
+                await bus.publish(subjects.stats(run_name, "evaluator"), m.EvalStats(
+                    version=3, domain="judge", pass_at_1=0.2, pass_at_k=0.4, k=4, n_tasks=8))
+                with trio.fail_after(10):
+                    async for batch in beats:
+                        figs = [m.decode(r.data).figures for r in batch]
+                        if any(f.get("judge.mix", 0) > 0.7 for f in figs):
+                            break
+            assert figs[-1]["judge.mix"] == pytest.approx(0.75)
+            assert figs[-1]["math.mix"] == pytest.approx(0.25)
+            for d in ("math", "judge"):  # the first-class figures, per domain
+                for name in ("tier", "wasted_tokens", "wasted_token_frac", "groups",
+                             "informative_groups", "reward_mean", "reward_std"):
+                    assert f"{d}.{name}" in figs[-1]
+            assert {"in_flight", "issue_budget", "policy_version"} <= set(figs[-1])
+
+    trio.run(main)
+
+
+def test_recurring_tasks_from_a_file_come_back_under_fresh_ids_but_never_held_out_ones(
+    creds, run_name, tmp_path
+):
+    held = build_heldout(DomainRegistry.default(), ["math"], HeldOutConfig())["math"][0]
+    rows = [{"task_id": f"q{i}", "question": f"What is {i} squared?", "answer": str(i * i)}
+            for i in range(3)]
+    rows.append({"task_id": "leak", "question": held.spec["question"],
+                 "answer": held.spec["answer"]})
+    path = tmp_path / "math.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = config(tmp_path, domains={"math": 1.0}, task_files={"math": str(path)},
+                 group_size=2, max_in_flight=2)
+
+    async def main():
+        async with open_bus(creds) as bus, scheduler(creds, run_name, cfg):
+            async def answer(task):
+                await publish_scored(bus, run_name, scored_group(task, [1.0, 0.0]))
+
+            return await TaskWatcher(bus, run_name).until(lambda ts: len(ts) >= 12,
+                                                          on_task=answer)
+
+    tasks = trio.run(main)
+    bases = Counter(t.task_id.split("@")[0] for t in tasks)
+    assert set(bases) <= {"q0", "q1", "q2"} and len(bases) >= 2
+    assert len({t.task_id for t in tasks}) == len(tasks)  # each issue has its own id
+    assert all("squared" in t.prompt for t in tasks)
