@@ -205,7 +205,9 @@ class SamplerActor(Actor):
 
     async def _setup(self) -> None:
         cfg: SamplerConfig = self.config
-        url = cfg.url
+        # The run's own rollout server (`[rollout_server]` in a cluster config) when no url
+        # is given; else the sampler starts one of its own.
+        url = cfg.url or os.environ.get("REINFORGE_ROLLOUT_URL", "")
         if not url:
             self.server = ServerProcess(cfg, Path(self._tmp) / "server.log")
             self.server.start()

@@ -1,0 +1,226 @@
+"""Atomic Hugging Face-format checkpoints, with the learner's state and consumed ledger inside.
+
+Layout: `<root>/v<version>/` holds what `save_pretrained` writes (config.json,
+model.safetensors, generation_config.json), the tokenizer files copied from the model the
+run started from, `trainer_state.pt` (optimizer, step, rng, the ledger of consumed rollouts)
+and, written last, `reinforge_manifest.json` naming every file with its size.
+
+Atomicity: everything is written into `<root>/.tmp-v<version>-<random>/`, each file is
+fsynced, the manifest is written and fsynced last, then the directory is renamed to
+`v<version>` and the root directory fsynced. A crash at any point leaves either no
+`v<version>` or a complete one; `latest_checkpoint` also checks the manifest's sizes, and
+`remove_temp_dirs` clears what a crash left behind. The same writer makes `reinforge sft`'s
+output directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+MANIFEST = "reinforge_manifest.json"
+TRAINER_STATE = "trainer_state.pt"
+FORMAT = "reinforge-checkpoint/1"
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+_TOKENIZER_NAMES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read; the text names the path."""
+
+
+class Manifest(msgspec.Struct, frozen=True, kw_only=True):
+    format: str = FORMAT
+    version: int
+    step: int = 0
+    created_at: float = 0.0
+    files: dict[str, int] = {}
+    """Every file of the checkpoint (manifest excluded) with its size in bytes."""
+    extra: dict[str, Any] = {}
+    """Free-form, JSON-safe (e.g. the SFT input hash)."""
+
+
+def version_dir(root: str | Path, version: int) -> Path:
+    return Path(root) / f"v{version}"
+
+
+def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
+    """Copy the tokenizer files of a model directory (those that exist); returns their names."""
+    src, dst = Path(src), Path(dst)
+    copied = []
+    for name in _TOKENIZER_NAMES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic_dir(
+    final: str | Path, fill: Callable[[Path], None], manifest: Manifest, *, replace: bool = False
+) -> Path:
+    """Make directory `final` atomically: `fill(tmp)` writes the files, then the manifest.
+
+    Raises CheckpointError if `final` exists and `replace` is False. With `replace`, an
+    existing `final` is swapped out (renamed aside, then deleted) after the new one is ready.
+    """
+    final = Path(final).absolute()
+    parent = final.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    if final.exists() and not replace:
+        raise CheckpointError(f"{final} already exists; a committed checkpoint is never rewritten")
+    tmp = parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        fill(tmp)
+        files = {}
+        for path in sorted(tmp.rglob("*")):
+            if path.is_file():
+                _fsync_path(path)
+                files[str(path.relative_to(tmp))] = path.stat().st_size
+        manifest = msgspec.structs.replace(
+            manifest, files=files, created_at=manifest.created_at or time.time()
+        )
+        with open(tmp / MANIFEST, "wb") as f:
+            f.write(msgspec.json.format(msgspec.json.encode(manifest), indent=2) + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_path(tmp)
+        old = None
+        if final.exists():
+            old = parent / f".tmp-old-{final.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync_path(parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def read_manifest(path: str | Path) -> Manifest | None:
+    """The manifest of a complete checkpoint directory, or None if missing/incomplete."""
+    path = Path(path)
+    try:
+        manifest = msgspec.json.decode((path / MANIFEST).read_bytes(), type=Manifest)
+    except (FileNotFoundError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    for name, size in manifest.files.items():
+        file = path / name
+        if not file.is_file() or file.stat().st_size != size:
+            return None
+    return manifest
+
+
+def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under root, oldest version first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = []
+    for child in root.iterdir():
+        m = _VERSION_DIR.match(child.name)
+        if m and child.is_dir() and read_manifest(child) is not None:
+            out.append((int(m.group(1)), child.absolute()))
+    return sorted(out)
+
+
+def latest_checkpoint(root: str | Path) -> tuple[int, Path] | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def remove_temp_dirs(root: str | Path) -> list[str]:
+    """Delete what interrupted writes left behind (`.tmp-*`); returns the names removed."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    removed = []
+    for child in root.iterdir():
+        if child.name.startswith(".tmp-") and child.is_dir():
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child.name)
+    return removed
+
+
+def prune_checkpoints(root: str | Path, keep_last: int, protect: Iterable[int] = ()) -> list[int]:
+    """Delete all but the newest `keep_last` complete checkpoints (never those in `protect`);
+    returns the versions deleted."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    found = list_checkpoints(root)
+    keep = {v for v, _ in found[-keep_last:]} | set(protect)
+    deleted = []
+    for version, path in found:
+        if version not in keep:
+            shutil.rmtree(path, ignore_errors=True)
+            deleted.append(version)
+    return deleted
+
+
+def save_model_checkpoint(
+    final: str | Path,
+    *,
+    model: Any,
+    tokenizer_src: str | Path | None,
+    version: int,
+    step: int = 0,
+    trainer_state: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+    replace: bool = False,
+) -> Path:
+    """Write a Hugging Face-format model (safetensors) plus optional trainer state, atomically."""
+    import torch
+
+    def fill(tmp: Path) -> None:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        if tokenizer_src is not None:
+            copy_tokenizer_files(tokenizer_src, tmp)
+        if trainer_state is not None:
+            torch.save(trainer_state, tmp / TRAINER_STATE)
+
+    manifest = Manifest(version=version, step=step, extra=dict(extra or {}))
+    return write_atomic_dir(final, fill, manifest, replace=replace)
+
+
+def load_trainer_state(path: str | Path) -> dict[str, Any]:
+    """The `trainer_state.pt` of a checkpoint directory (tensors, numbers, strings only)."""
+    import torch
+
+    file = Path(path) / TRAINER_STATE
+    if not file.is_file():
+        raise CheckpointError(f"{file} does not exist (not a learner checkpoint?)")
+    return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def manifest_json(path: str | Path) -> dict[str, Any]:
+    """The manifest as a plain dict (for reports)."""
+    return json.loads((Path(path) / MANIFEST).read_text())

@@ -1,0 +1,213 @@
+"""GRPO maths as pure functions: advantages, the clipped objective, KL, staleness.
+
+Everything here is a function of tensors (or plain numbers) and returns new ones; nothing
+holds state or touches a model. The learner composes them; the tests check them against
+hand computations on the CPU.
+
+Where this departs from the papers (DeepSeekMath's GRPO, arXiv 2402.03300; Dr. GRPO,
+arXiv 2503.20783; DAPO, arXiv 2503.14476):
+
+* Advantages are outcome-level (one number per sample, broadcast to its tokens), as in
+  DeepSeekMath's outcome supervision. `AdvantageNorm.GROUP_STD` divides by the *population*
+  std of the group (DeepSeekMath leaves the estimator unspecified; TRL uses the unbiased
+  one). `AdvantageNorm.NONE` is Dr. GRPO: the centred reward, no division. The default,
+  `AdvantageNorm.DOMAIN_STD`, is ours: centred within the group (the GRPO baseline) but scaled
+  by the std of that *domain's* rewards over the whole batch, so that a domain with a small
+  reward spread (F1 scores) and one with 0/1 rewards weigh alike without Dr. GRPO's
+  objection to per-group std (questions that are nearly all-pass or all-fail get boosted).
+* Samples whose outcome is `infra_error` are masked: they neither enter the group's mean or
+  std nor receive an advantage (0) nor contribute tokens to the loss.
+* Loss aggregation is token-level: the sum of per-token losses over every valid token of
+  the batch divided by the number of those tokens (DAPO's "token-level policy gradient
+  loss"), not DeepSeekMath's mean over tokens within a sample then over samples.
+* The importance ratio is exp(logp_current - logp_behaviour), where the behaviour logprobs
+  are those the rollout server reported when sampling (possibly several versions stale),
+  as in PPO; clipping may be asymmetric (DAPO's clip-higher) with `clip_low`/`clip_high`.
+* The KL penalty uses the k3 estimator exp(r - c) - (r - c) - 1 with r the reference and c
+  the current logprob (DeepSeekMath eq. 4), added to the loss with coefficient `kl_coef`
+  and aggregated token-level like the policy loss.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+
+class AdvantageNorm(str, enum.Enum):
+    """How centred group rewards are scaled (see the module docstring)."""
+
+    GROUP_STD = "group_std"
+    DOMAIN_STD = "domain_std"
+    NONE = "none"
+
+
+def group_has_signal(rewards: Sequence[float], valid: Sequence[bool]) -> bool:
+    """True when at least two valid samples exist and their rewards are not all equal.
+
+    A group without signal gets zero advantage for every sample, so it would only add
+    tokens to the denominator; the learner skips it and counts it.
+    """
+    vals = [r for r, ok in zip(rewards, valid, strict=True) if ok]
+    return len(vals) >= 2 and max(vals) != min(vals)
+
+
+def centred_rewards(rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """r_i - mean(r_j over the valid j of the group); 0 for invalid samples.
+
+    `rewards` and `valid` are 1-D, one entry per sample of ONE group.
+    """
+    if rewards.shape != valid.shape or rewards.dim() != 1:
+        raise ValueError(
+            f"rewards {tuple(rewards.shape)} and valid {tuple(valid.shape)} must be the same 1-D shape"
+        )
+    v = valid.to(rewards.dtype)
+    n = v.sum()
+    if n == 0:
+        return torch.zeros_like(rewards)
+    mean = (rewards * v).sum() / n
+    return (rewards - mean) * v
+
+
+def population_std(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The population standard deviation of the valid entries (0 when fewer than one)."""
+    v = valid.to(values.dtype)
+    n = v.sum()
+    if n == 0:
+        return values.new_zeros(())
+    mean = (values * v).sum() / n
+    return torch.sqrt((((values - mean) * v) ** 2).sum() / n)
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    norm: AdvantageNorm = AdvantageNorm.GROUP_STD,
+    scale: torch.Tensor | float | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Advantages of ONE group of samples of the same prompt.
+
+    GROUP_STD: (r - mean) / (std + eps) over the valid samples (DeepSeekMath GRPO).
+    NONE: r - mean (Dr. GRPO). DOMAIN_STD: (r - mean) / (scale + eps), where `scale` is the
+    domain's reward std over the batch (see `domain_reward_scales`). Invalid samples get 0.
+    """
+    centred = centred_rewards(rewards, valid)
+    if norm is AdvantageNorm.NONE:
+        return centred
+    if norm is AdvantageNorm.GROUP_STD:
+        return centred / (population_std(rewards, valid) + eps)
+    if scale is None:
+        raise ValueError("group_advantages: norm=domain_std needs the domain's `scale`")
+    return centred / (torch.as_tensor(scale, dtype=rewards.dtype) + eps)
+
+
+def domain_reward_scales(
+    rewards: Sequence[float], valid: Sequence[bool], domains: Sequence[str]
+) -> dict[str, float]:
+    """Per domain: the population std of the valid rewards of that domain in the batch."""
+    out: dict[str, float] = {}
+    for domain in sorted(set(domains)):
+        vals = [
+            r for r, ok, d in zip(rewards, valid, domains, strict=True) if ok and d == domain
+        ]
+        if not vals:
+            out[domain] = 0.0
+            continue
+        mean = sum(vals) / len(vals)
+        out[domain] = (sum((r - mean) ** 2 for r in vals) / len(vals)) ** 0.5
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
+    """log_softmax(logits / T)[target] per position: the sampler's definition of a logprob.
+
+    `logits` [..., V] and `targets` [...] (same leading shape). T must be > 0 (a greedy
+    sampler reports T=1 logprobs, so pass 1.0 for greedy rollouts).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    scaled = logits.float() / temperature if temperature != 1.0 else logits.float()
+    logp = torch.log_softmax(scaled, dim=-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+class PolicyLossTerms(NamedTuple):
+    """Per-token tensors of the clipped objective (all [B, T], zero where mask is 0)."""
+
+    loss: torch.Tensor
+    """-min(ratio * A, clip(ratio) * A), with grad."""
+    ratio: torch.Tensor
+    """exp(logp - logp_behaviour), detached (1 at padding)."""
+    clipped: torch.Tensor
+    """1.0 where the clipped term was chosen (its gradient is zero), else 0.0; detached."""
+
+
+def clipped_policy_terms(
+    logp: torch.Tensor,
+    logp_behaviour: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+) -> PolicyLossTerms:
+    """PPO's clipped surrogate per token, to be aggregated by `token_mean`.
+
+    ratio = exp(logp - logp_behaviour); loss = -min(ratio * A, clamp(ratio, 1 - clip_low,
+    1 + clip_high) * A). With logp == logp_behaviour (on-policy) the ratio is exactly 1 and
+    the gradient is -A * d logp (the REINFORCE gradient). `advantages` is [B] or [B, T].
+    """
+    if logp.shape != logp_behaviour.shape or logp.shape != mask.shape:
+        raise ValueError(
+            f"logp {tuple(logp.shape)}, logp_behaviour {tuple(logp_behaviour.shape)} and "
+            f"mask {tuple(mask.shape)} must have one shape"
+        )
+    if clip_low < 0 or clip_high < 0:
+        raise ValueError(f"clip bounds must be >= 0, got low={clip_low} high={clip_high}")
+    adv = advantages.unsqueeze(-1) if advantages.dim() == logp.dim() - 1 else advantages
+    m = mask.to(logp.dtype)
+    ratio = torch.exp((logp - logp_behaviour) * m)  # exactly 1 at padding
+    unclipped = ratio * adv
+    clipped_ratio = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    clipped = clipped_ratio * adv
+    loss = -torch.minimum(unclipped, clipped) * m
+    chose_clipped = (clipped < unclipped).to(logp.dtype) * m
+    return PolicyLossTerms(loss=loss, ratio=ratio.detach(), clipped=chose_clipped.detach())
+
+
+def k3_kl(logp: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(current || reference) estimate exp(ref - cur) - (ref - cur) - 1 (>= 0)."""
+    delta = (logp_ref - logp) * mask.to(logp.dtype)
+    return (torch.exp(delta) - delta - 1.0) * mask.to(logp.dtype)
+
+
+def token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: int | None = None):
+    """sum(values * mask) / num_tokens (default: mask.sum()), token-level as in DAPO.
+
+    Pass the whole batch's token count as `num_tokens` when summing over micro-batches, so
+    that the accumulated gradient equals that of one big batch.
+    """
+    m = mask.to(values.dtype)
+    denom = float(num_tokens) if num_tokens is not None else float(m.sum())
+    if denom <= 0:
+        return (values * m).sum() * 0.0
+    return (values * m).sum() / denom
+
+
+def staleness(learner_version: int, policy_version: int) -> int:
+    """How many versions behind the learner a rollout was generated (>= 0 normally)."""
+    return learner_version - policy_version
+
+
+def is_too_stale(learner_version: int, policy_versions: Sequence[int], max_staleness: int) -> bool:
+    """A group is dropped when any of its samples is more than `max_staleness` versions old,
+    or claims a version newer than the learner's (a mislabelled or foreign rollout)."""
+    return any(
+        staleness(learner_version, v) > max_staleness or v > learner_version
+        for v in policy_versions
+    )

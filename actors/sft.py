@@ -1,0 +1,200 @@
+"""`reinforge sft`: supervised fine-tuning from demonstrations into a Hugging Face checkpoint.
+
+Demonstrations are (prompt, response) pairs: from the task domains' reference completions
+(`Domain.sample_task(rng, tier).reference`, seeded) or from a JSONL file of
+`{"prompt": ..., "response": ...}` rows. The prompt is tokenized on its own, exactly as the
+rollout server tokenizes a `/generate` text, and the response tokens plus EOS follow it; the
+loss is the mean cross-entropy over response tokens only.
+
+Deterministic: one seed drives task sampling, shuffling and torch. Cacheable: the output
+directory's manifest records a hash of every input (model files, demonstrations, settings);
+when it matches, the work is skipped and the existing checkpoint is reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from reinforge.actors import checkpoint as ckpt
+
+SFT_FORMAT = "reinforge-sft/1"
+
+
+class SFTConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    model: str
+    """Hugging Face-format directory of the starting model."""
+    out: str
+    """Output directory (written atomically; replaced when the inputs changed)."""
+    domains: tuple[str, ...] = ("math",)
+    """Domains whose reference completions are the demonstrations (ignored with `jsonl`)."""
+    tiers: tuple[int, ...] = (0,)
+    """Difficulty tiers to sample (each domain uses the tiers it has)."""
+    jsonl: str = ""
+    """A JSONL file of {"prompt", "response"} rows instead of the domains."""
+    num_examples: int = 256
+    """Demonstrations drawn from the domains."""
+    steps: int = 200
+    batch_size: int = 16
+    learning_rate: float = 1e-3
+    max_len: int = 512
+    """Longer examples are dropped (counted)."""
+    seed: int = 0
+    torch_threads: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("num_examples", "steps", "batch_size", "max_len", "torch_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"sft: {name} must be >= 1, got {getattr(self, name)}")
+        if self.learning_rate <= 0:
+            raise ValueError(f"sft: learning_rate must be > 0, got {self.learning_rate}")
+
+
+class Demo(msgspec.Struct, frozen=True):
+    prompt: str
+    response: str
+
+
+def demos_from_domains(domains: tuple[str, ...], tiers: tuple[int, ...], n: int,
+                       seed: int) -> list[Demo]:
+    """`n` demonstrations cycling over domains and tiers, from each task's reference."""
+    from reinforge.envs.domain import DomainRegistry
+
+    registry = DomainRegistry.default()
+    rng = random.Random(seed)
+    out: list[Demo] = []
+    for name in domains:
+        if name not in registry:
+            raise ValueError(f"sft: unknown domain {name!r}; known: {', '.join(registry.names())}")
+    combos = []
+    for name in domains:
+        domain = registry.get(name)
+        usable = [t for t in tiers if 0 <= t < len(domain.tiers)] or [0]
+        combos += [(domain, t) for t in usable]
+    attempts = 0
+    while len(out) < n:
+        domain, tier = combos[len(out) % len(combos)]
+        task = domain.sample_task(rng, tier)
+        attempts += 1
+        if task.reference:
+            out.append(Demo(task.prompt, task.reference))
+        elif attempts > 10 * n:
+            raise ValueError(f"sft: domain {domain.name!r} gives no reference completions")
+    return out
+
+
+def demos_from_jsonl(path: str | Path) -> list[Demo]:
+    """Rows {"prompt": str, "response": str}; a bad line raises ValueError with FILE:LINE."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(msgspec.json.decode(line, type=Demo))
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise ValueError(f"{path}:{i}: not a {{prompt, response}} row: {exc}") from None
+    if not out:
+        raise ValueError(f"{path}: no demonstrations")
+    return out
+
+
+def encode_demo(tokenizer: Any, demo: Demo) -> tuple[list[int], int]:
+    """(prompt ids + response ids + EOS, number of prompt tokens)."""
+    prompt = tokenizer.encode(demo.prompt)
+    response = tokenizer.encode(demo.response, add_special_tokens=False)
+    return prompt + response + [tokenizer.eos_token_id], len(prompt)
+
+
+def input_hash(cfg: SFTConfig, demos: list[Demo]) -> str:
+    """What determines the output: model files, demonstrations and the training settings."""
+    h = hashlib.sha256(SFT_FORMAT.encode())
+    for path in sorted(Path(cfg.model).iterdir()):
+        if path.is_file() and path.name != ckpt.MANIFEST:
+            h.update(path.name.encode())
+            h.update(hashlib.sha256(path.read_bytes()).digest())
+    h.update(msgspec.json.encode(demos))
+    settings = msgspec.structs.asdict(cfg)
+    for key in ("model", "out", "jsonl", "domains", "tiers", "num_examples"):
+        settings.pop(key)  # the demonstrations themselves are hashed above
+    h.update(json.dumps(settings, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def run_sft(cfg: SFTConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Train (or reuse the cached result); returns the summary printed as the final JSON."""
+    demos = demos_from_jsonl(cfg.jsonl) if cfg.jsonl else demos_from_domains(
+        cfg.domains, cfg.tiers, cfg.num_examples, cfg.seed)
+    digest = input_hash(cfg, demos)
+    out = Path(cfg.out)
+    existing = ckpt.read_manifest(out)
+    if existing is not None and existing.extra.get("input_hash") == digest:
+        return {"out": str(out.absolute()), "cached": True, "input_hash": digest,
+                **existing.extra.get("summary", {})}
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(cfg.torch_threads)
+    torch.manual_seed(cfg.seed)
+    tok = AutoTokenizer.from_pretrained(cfg.model)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+    model.train()
+    examples = [encode_demo(tok, d) for d in demos]
+    dropped = sum(len(ids) > cfg.max_len for ids, _ in examples)
+    examples = [e for e in examples if len(e[0]) <= cfg.max_len]
+    if not examples:
+        raise ValueError(f"sft: every demonstration is longer than max_len={cfg.max_len}")
+    pad = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
+    rng = random.Random(cfg.seed)
+    order: list[int] = []
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    tokens = 0
+    for step in range(cfg.steps):
+        batch = []
+        while len(batch) < min(cfg.batch_size, len(examples)):
+            if not order:
+                order = list(range(len(examples)))
+                rng.shuffle(order)
+            batch.append(examples[order.pop()])
+        length = max(len(ids) for ids, _ in batch)
+        ids = torch.full((len(batch), length), pad, dtype=torch.long)
+        labels = torch.full((len(batch), length), -100, dtype=torch.long)
+        attn = torch.zeros((len(batch), length), dtype=torch.long)
+        for i, (seq, n_prompt) in enumerate(batch):
+            ids[i, : len(seq)] = torch.tensor(seq)
+            attn[i, : len(seq)] = 1
+            labels[i, n_prompt : len(seq)] = torch.tensor(seq[n_prompt:])
+        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
+            ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        tokens += int((labels[:, 1:] != -100).sum())
+        if step % max(1, cfg.steps // 10) == 0 or step == cfg.steps - 1:
+            progress(f"sft step {step + 1}/{cfg.steps} loss {losses[-1]:.4f}")
+    elapsed = time.perf_counter() - t0
+    summary = {
+        "steps": cfg.steps, "examples": len(examples), "dropped_too_long": dropped,
+        "loss_first": losses[0], "loss_last": losses[-1],
+        "loss_last10_mean": sum(losses[-10:]) / len(losses[-10:]),
+        "response_tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+        "train_s": elapsed,
+    }
+    ckpt.save_model_checkpoint(out, model=model, tokenizer_src=cfg.model, version=0,
+                               step=cfg.steps, replace=True,
+                               extra={"input_hash": digest, "summary": summary,
+                                      "format": SFT_FORMAT})
+    return {"out": str(out.absolute()), "cached": False, "input_hash": digest, **summary}

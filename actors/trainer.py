@@ -1,0 +1,164 @@
+"""The learner's torch side: the policy, its optimizer, and one GRPO step over a batch.
+
+Synchronous and free of I/O except loading the model: the learner actor runs `train_step`
+in a worker thread and owns everything about the bus and checkpoints. The maths come from
+`reinforge.actors.grpo`; this module only batches sequences and accumulates gradients.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from reinforge.actors.grpo import clipped_policy_terms, k3_kl, token_logprobs, token_mean
+
+
+def load_policy(model_dir: str | Path) -> Any:
+    """A Hugging Face causal LM in float32 on the CPU."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+
+
+def sequence_logprobs(
+    model: Any,
+    prompt_ids: list[list[int]],
+    output_ids: list[list[int]],
+    *,
+    temperature: float = 1.0,
+    pad_id: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs of each output token given its prompt and the earlier output tokens.
+
+    Returns (logp [B, T_out], mask [B, T_out]) with T_out the longest output; sequences are
+    right-padded, so padding never influences the positions that are read.
+    """
+    if len(prompt_ids) != len(output_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(output_ids)} outputs")
+    seqs = [list(p) + list(o) for p, o in zip(prompt_ids, output_ids, strict=True)]
+    b, length = len(seqs), max(len(s) for s in seqs)
+    t_out = max(len(o) for o in output_ids)
+    ids = torch.full((b, length), pad_id, dtype=torch.long)
+    attn = torch.zeros((b, length), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        attn[i, : len(s)] = 1
+    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+    # output token j of sample i is predicted at position len(prompt_i) - 1 + j
+    starts = torch.tensor([len(p) - 1 for p in prompt_ids]).unsqueeze(1)
+    pos = (starts + torch.arange(t_out).unsqueeze(0)).clamp(max=length - 1)
+    mask = torch.arange(t_out).unsqueeze(0) < torch.tensor([len(o) for o in output_ids]).unsqueeze(1)
+    rows = torch.arange(b).unsqueeze(1).expand(b, t_out)
+    picked = logits[rows, pos]  # [B, T_out, V]
+    targets = ids[rows, (pos + 1).clamp(max=length - 1)]
+    logp = token_logprobs(picked, targets, temperature) * mask
+    return logp, mask
+
+
+class Trainer:
+    """The policy, an optional frozen reference, AdamW, and the GRPO step."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        model_dir: str | Path,
+        state: dict[str, Any] | None = None,
+        *,
+        reference_dir: str | Path | None = None,
+    ) -> None:
+        torch.set_num_threads(cfg.torch_threads)
+        torch.manual_seed(cfg.seed)
+        self.cfg = cfg
+        self.model = load_policy(model_dir)
+        self.model.train()
+        self.pad_id = int(self.model.config.pad_token_id or 0)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay
+        )
+        if state is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+            torch.set_rng_state(state["rng"])
+        self.reference = None
+        if cfg.kl_coef > 0:
+            if not reference_dir:
+                raise ValueError("kl_coef > 0 needs a reference model directory")
+            self.reference = load_policy(reference_dir).eval()
+            self.reference.requires_grad_(False)
+
+    def state_dict(self, *, step: int, ledger: dict[str, int], counters: dict[str, int]):
+        return {
+            "step": step,
+            "optimizer": self.optimizer.state_dict(),
+            "rng": torch.get_rng_state(),
+            "ledger": dict(ledger),
+            "counters": dict(counters),
+        }
+
+    def train_step(self, samples: list[Any], version: int) -> dict[str, float]:
+        """One optimizer step over `samples` (TrainSample-like); returns its figures."""
+        cfg = self.cfg
+        if not samples:
+            raise ValueError("train_step needs at least one sample")
+        t0 = time.perf_counter()
+        num_tokens = sum(len(s.output_ids) for s in samples)
+        sums = dict.fromkeys(("loss", "policy_loss", "kl_ref", "kl_behaviour", "clip", "ratio"),
+                             0.0)
+        on_policy_dev = 0.0
+        self.optimizer.zero_grad(set_to_none=True)
+        for start in range(0, len(samples), cfg.micro_batch_size):
+            mb = samples[start : start + cfg.micro_batch_size]
+            prompts = [s.prompt_ids for s in mb]
+            outputs = [s.output_ids for s in mb]
+            logp, mask = sequence_logprobs(
+                self.model, prompts, outputs, temperature=cfg.temperature, pad_id=self.pad_id
+            )
+            old = torch.zeros_like(logp)
+            for i, s in enumerate(mb):
+                old[i, : len(s.logprobs)] = torch.tensor(s.logprobs, dtype=logp.dtype)
+            adv = torch.tensor([s.advantage for s in mb], dtype=logp.dtype)
+            terms = clipped_policy_terms(
+                logp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high
+            )
+            policy_loss = token_mean(terms.loss, mask, num_tokens)
+            loss = policy_loss
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref, _ = sequence_logprobs(self.reference, prompts, outputs,
+                                               temperature=cfg.temperature, pad_id=self.pad_id)
+                kl = token_mean(k3_kl(logp, ref, mask), mask, num_tokens)
+                loss = loss + cfg.kl_coef * kl
+                sums["kl_ref"] += kl.item()
+            loss.backward()
+            with torch.no_grad():
+                sums["loss"] += loss.item()
+                sums["policy_loss"] += policy_loss.item()
+                sums["kl_behaviour"] += float(token_mean(k3_kl(logp, old, mask), mask, num_tokens))
+                sums["clip"] += float(terms.clipped.sum()) / num_tokens
+                sums["ratio"] += float((terms.ratio * mask).sum()) / num_tokens
+                fresh = torch.tensor([s.policy_version == version for s in mb]).unsqueeze(1)
+                dev = ((terms.ratio - 1.0).abs() * mask * fresh).max()
+                on_policy_dev = max(on_policy_dev, float(dev))
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+        )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        compute_s = time.perf_counter() - t0
+        figures = {
+            "loss": sums["loss"],
+            "policy_loss": sums["policy_loss"],
+            "kl_behaviour": sums["kl_behaviour"],
+            "clip_frac": sums["clip"],
+            "ratio_mean": sums["ratio"],
+            "ratio_dev_max_on_policy": on_policy_dev,
+            "grad_norm": float(grad_norm),
+            "tokens": float(num_tokens),
+            "samples": float(len(samples)),
+            "compute_s": compute_s,
+            "tokens_per_s": num_tokens / compute_s if compute_s > 0 else 0.0,
+        }
+        if self.reference is not None:
+            figures["kl_ref"] = sums["kl_ref"]
+        return figures

@@ -1,0 +1,289 @@
+"""The learner: grouping, advantages, one GRPO step on the tiny policy, checkpoints, and
+the actor on a real nats-server (versions published, ledger, resume without double counting)."""
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+from learner_fixtures import generate_group, synthetic_group
+from reinforge.actors import checkpoint as ckpt
+from reinforge.actors.grpo import AdvantageNorm
+from reinforge.actors.learner import GroupBuffer, Learner, LearnerConfig, prepare_samples
+from reinforge.actors.trainer import Trainer, sequence_logprobs
+from reinforge.core import messages as m
+from reinforge.core import subjects
+from reinforge.core.actor import run_actor
+from reinforge.core.bus import open_bus
+
+
+def test_a_group_completes_at_group_size_and_counts_infra_errors_toward_it():
+    buf = GroupBuffer()
+    group = synthetic_group("t1", [1.0, 0.0, 0.0], infra=(1,))
+    assert [buf.add(s, f"ticket{i}") for i, s in enumerate(group)] == ["added", "added",
+                                                                         "completed"]
+    assert len(buf.ready) == 1 and not buf.pending
+    assert buf.add(group[0], "again") == "added"  # a new group: t1 was not consumed yet
+    buf.consume(buf.ready.popleft())
+    assert buf.ledger == {"t1:0:1": 0, "t1:1:1": 0, "t1:2:1": 0}
+    buf.pending.clear()
+    assert buf.add(group[2], "redelivered") == "consumed"
+    assert buf.counts["duplicates_skipped"] == 1
+
+
+def test_a_duplicate_sample_is_held_with_its_group_but_not_counted_twice():
+    buf = GroupBuffer()
+    a, b = synthetic_group("t2", [1.0, 0.0])
+    assert buf.add(a, "t-a") == "added"
+    assert buf.add(a, "t-a-again") == "duplicate"
+    assert buf.add(b, "t-b") == "completed"
+    group = buf.ready[0]
+    assert len(group.samples) == 2 and group.tickets == ["t-a", "t-a-again", "t-b"]
+
+
+def test_prepare_samples_masks_infra_errors_and_reports_rewards_per_domain():
+    groups = [synthetic_group("a", [1.0, 0.0, 0.5], infra=(2,)),
+              synthetic_group("b", [0.2, 0.6], domain="docqa")]
+    samples, fig = prepare_samples(groups, AdvantageNorm.GROUP_STD)
+    assert [s.rollout_id for s in samples] == ["a:0:1", "a:1:1", "b:0:1", "b:1:1"]
+    assert [round(s.advantage, 4) for s in samples] == [1.0, -1.0, -1.0, 1.0]
+    assert fig["masked_samples"] == 1.0
+    assert fig["reward_mean/math"] == pytest.approx(0.5)
+    assert fig["reward_mean/docqa"] == pytest.approx(0.4)
+
+
+def make_config(model_dir, tmp_path, **kw):
+    base = {"model": str(model_dir), "checkpoint_dir": str(tmp_path / "ckpt"),
+            "groups_per_batch": 2, "learning_rate": 1e-3, "torch_threads": 1, "ack_wait_s": 30.0}
+    base.update(kw)
+    return LearnerConfig(**base)
+
+
+def test_learner_logprobs_match_generate_and_the_on_policy_ratio_is_exactly_one(
+    tiny_model_dir, tmp_path
+):
+    group = generate_group(tiny_model_dir, task_id="g", version=0)
+    trainer = Trainer(make_config(tiny_model_dir, tmp_path), tiny_model_dir)
+    prompts = [s.rollout.prompt_ids for s in group]
+    outputs = [s.rollout.output_ids for s in group]
+    with torch.no_grad():
+        logp, _ = sequence_logprobs(trainer.model, prompts, outputs)
+    behaviour = torch.tensor([s.rollout.logprobs for s in group])
+    assert torch.allclose(logp, behaviour, atol=1e-4)  # generate's logprobs = the learner's
+    # behaviour logprobs from the learner's own forward: the ratio must be exactly 1
+    on_policy = [m.ScoredRollout(rollout=m.Rollout(**{**_fields(s.rollout), "logprobs": lp}),
+                                 reward=s.reward, outcome=s.outcome)
+                 for s, lp in zip(group, logp.tolist(), strict=True)]
+    samples, _ = prepare_samples([on_policy], AdvantageNorm.GROUP_STD)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    fig = trainer.train_step(samples, version=0)
+    assert fig["ratio_dev_max_on_policy"] == 0.0
+    assert fig["clip_frac"] == 0.0 and fig["ratio_mean"] == pytest.approx(1.0, abs=1e-12)
+    assert fig["kl_behaviour"] == 0.0
+    assert fig["grad_norm"] > 0
+    after = list(trainer.model.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def _fields(struct):
+    return {f: getattr(struct, f) for f in struct.__struct_fields__}
+
+
+def test_checkpoints_are_atomic_complete_and_pruned(tiny_model_dir, tmp_path):
+    trainer = Trainer(make_config(tiny_model_dir, tmp_path), tiny_model_dir)
+    root = tmp_path / "ck"
+    for v in (1, 2, 3):
+        ckpt.save_model_checkpoint(ckpt.version_dir(root, v), model=trainer.model,
+                                   tokenizer_src=tiny_model_dir, version=v, step=v,
+                                   trainer_state={"step": v, "ledger": {"x": v}})
+    (root / "v4").mkdir()  # a half-written directory without a manifest is not a checkpoint
+    (root / ".tmp-v5-dead").mkdir()
+    assert ckpt.latest_checkpoint(root) == (3, (root / "v3").absolute())
+    assert ckpt.remove_temp_dirs(root) == [".tmp-v5-dead"]
+    assert ckpt.prune_checkpoints(root, keep_last=2, protect=(3,)) == [1]
+    assert ckpt.load_trainer_state(root / "v3")["ledger"] == {"x": 3}
+    with pytest.raises(ckpt.CheckpointError, match="never rewritten"):
+        ckpt.save_model_checkpoint(root / "v3", model=trainer.model, tokenizer_src=None,
+                                   version=3)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(root / "v3"), dtype=torch.float32)
+    assert AutoTokenizer.from_pretrained(str(root / "v3")).encode("12") == \
+        AutoTokenizer.from_pretrained(str(tiny_model_dir)).encode("12")
+    for a, b in zip(loaded.state_dict().values(), trainer.model.state_dict().values(),
+                    strict=True):
+        assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------- on the bus
+
+
+async def publish(bus, run, scored, prefix="scored"):
+    for s in scored:
+        await bus.publish_durable(subjects.scored(run, s.rollout.domain), s,
+                                  msg_id=f"{prefix}:{s.rollout.rollout_id}")
+
+
+async def wait_for_version(bus, stream, run, version, timeout_s=120.0):
+    with trio.fail_after(timeout_s):
+        while True:
+            last = await bus.last_message(stream, subjects.weights(run))
+            if last is not None:
+                w = m.decode(last.data)
+                if w.version >= version:
+                    return w
+            await trio.sleep(0.2)
+
+
+async def collect_stats(bus, run, out, task_status=trio.TASK_STATUS_IGNORED):
+    async with bus.subscribe(subjects.stats(run, "learner")) as sub:
+        task_status.started()
+        async for batch in sub:
+            out.extend(m.decode(r.data) for r in batch)
+
+
+@pytest.mark.nats
+@pytest.mark.slow
+def test_the_learner_publishes_three_versions_from_rollouts_tagged_with_their_version(
+    creds, run_name, tiny_model_dir, tmp_path
+):
+    cfg = make_config(tiny_model_dir, tmp_path, max_staleness=0, keep_last=2)
+    generated: dict[str, int] = {}
+    stats: list = []
+    weights: list = []
+
+    async def main():
+        async with open_bus(creds) as bus, trio.open_nursery() as nursery:
+            stream = await bus.ensure_run_stream(run_name)
+            await nursery.start(collect_stats, bus, run_name, stats)
+            await nursery.start(functools.partial(run_actor, Learner, creds=creds, run=run_name,
+                                                  config=cfg))
+            path, version = tiny_model_dir, 0
+            for _ in range(3):
+                for k in range(cfg.groups_per_batch):  # sample from the policy the learner has
+                    group = await trio.to_thread.run_sync(functools.partial(
+                        generate_group, path, task_id=f"v{version}-t{k}", version=version,
+                        seed=version * 10 + k))
+                    generated.update({s.rollout.rollout_id: version for s in group})
+                    await publish(bus, run_name, group)
+                w = await wait_for_version(bus, stream, run_name, version + 1)
+                assert w.version == version + 1 and Path(w.path).is_dir()
+                weights.append(w)
+                path, version = w.path, w.version
+            with trio.fail_after(10):
+                while len(stats) < 3:
+                    await trio.sleep(0.1)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert [w.version for w in weights] == [1, 2, 3]
+    state = ckpt.load_trainer_state(weights[-1].path)
+    assert state["step"] == 3
+    assert state["ledger"] == generated  # every rollout consumed once, with its own version
+    assert [s.version for s in stats] == [1, 2, 3]
+    for s in stats:
+        assert s.figures["staleness_max"] == 0.0
+        # behaviour logprobs came from the published checkpoint of the version they claim
+        assert s.figures["ratio_dev_max_on_policy"] < 1e-3
+        assert s.figures["samples"] == 8.0 and s.figures["tokens"] == 64.0
+        assert "reward_mean/math" in s.figures and "tokens_per_s" in s.figures
+    assert sorted(p.name for p in Path(cfg.checkpoint_dir).iterdir()) == ["v2", "v3"]
+
+
+@pytest.mark.nats
+@pytest.mark.slow
+def test_a_restarted_learner_resumes_and_skips_what_its_checkpoint_consumed(
+    creds, run_name, tiny_model_dir, tmp_path
+):
+    cfg = make_config(tiny_model_dir, tmp_path, groups_per_batch=1, max_staleness=0)
+    group_a = synthetic_group("a", [1.0, 0.0, 0.0, 1.0], version=0)
+    group_b = synthetic_group("b", [0.0, 1.0, 1.0, 1.0], version=1)
+    group_c = synthetic_group("c", [0.0, 1.0, 0.0, 0.0], version=0)  # stale at version 1
+    stats: list = []
+
+    async def run_learner_until(bus, stream, version):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(functools.partial(run_actor, Learner, creds=creds,
+                                                  run=run_name, config=cfg))
+            w = await wait_for_version(bus, stream, run_name, version)
+            nursery.cancel_scope.cancel()
+        return w
+
+    async def main():
+        async with open_bus(creds) as bus, trio.open_nursery() as nursery:
+            stream = await bus.ensure_run_stream(run_name)
+            await nursery.start(collect_stats, bus, run_name, stats)
+            await publish(bus, run_name, group_a)
+            w1 = await run_learner_until(bus, stream, 1)
+            # as if the server redelivered group a after the crash, plus new work
+            await publish(bus, run_name, group_a, prefix="redelivered")
+            await publish(bus, run_name, group_c)
+            await publish(bus, run_name, group_b)
+            w2 = await run_learner_until(bus, stream, 2)
+            with trio.fail_after(10):
+                while len(stats) < 2:
+                    await trio.sleep(0.1)
+            nursery.cancel_scope.cancel()
+            return w1, w2
+
+    w1, w2 = trio.run(main)
+    assert (w1.version, w2.version) == (1, 2)
+    state = ckpt.load_trainer_state(w2.path)
+    assert state["step"] == 2
+    assert all(s["step"] == 2 for s in state["optimizer"]["state"].values())  # Adam resumed
+    ids = lambda g, v: {s.rollout.rollout_id: v for s in g}
+    assert state["ledger"] == {**ids(group_a, 0), **ids(group_b, 1), **ids(group_c, 0)}
+    last = stats[-1].figures
+    assert last["duplicates_skipped"] == 4.0
+    assert last["dropped_stale_groups"] == 1.0 and last["samples"] == 4.0
+
+
+def test_the_kl_term_to_the_reference_starts_at_zero_and_enters_the_loss(tiny_model_dir, tmp_path):
+    group = synthetic_group("k", [1.0, 0.0, 0.0, 1.0])
+    samples, _ = prepare_samples([group], AdvantageNorm.NONE)
+    trainer = Trainer(make_config(tiny_model_dir, tmp_path, kl_coef=0.5), tiny_model_dir,
+                      reference_dir=tiny_model_dir)
+    first = trainer.train_step(samples, version=0)
+    assert first["kl_ref"] == 0.0 and first["loss"] == pytest.approx(first["policy_loss"])
+    second = trainer.train_step(samples, version=0)
+    assert second["kl_ref"] > 0.0
+    assert second["loss"] == pytest.approx(second["policy_loss"] + 0.5 * second["kl_ref"])
+
+
+@pytest.mark.nats
+@pytest.mark.slow
+def test_a_learner_killed_with_a_partial_group_loses_nothing_and_counts_nothing_twice(
+    creds, creds_file, run_name, tiny_model_dir, tmp_path, spawn
+):
+    ck = tmp_path / "ckpt"
+    args = ("actor", "run", "reinforge.actors.learner:Learner", "--run", run_name, "--creds",
+            str(creds_file), "--set", f"model={tiny_model_dir}", "--set", f"checkpoint_dir={ck}",
+            "--set", "groups_per_batch=1", "--set", "ack_wait_s=3", "--set", "torch_threads=1")
+    group_a = synthetic_group("a", [1.0, 0.0, 0.0, 1.0], version=0)
+    group_b = synthetic_group("b", [0.0, 1.0, 1.0, 1.0], version=1)
+
+    async def main():
+        async with open_bus(creds) as bus:
+            stream = await bus.ensure_run_stream(run_name)
+            first = spawn(*args, log_name="learner1.log")
+            await publish(bus, run_name, group_a)
+            await wait_for_version(bus, stream, run_name, 1, timeout_s=120)
+            await publish(bus, run_name, group_b[:2])
+            async with bus.subscribe(subjects.heartbeat(run_name)) as beats:
+                with trio.fail_after(30):  # until the learner holds the half group
+                    async for batch in beats:
+                        hb = [m.decode(r.data) for r in batch]
+                        if any(h.figures.get("pending_groups") == 1.0 for h in hb):
+                            break
+            first.kill()
+            first.wait()
+            await publish(bus, run_name, group_b[2:])
+            spawn(*args, log_name="learner2.log")
+            return await wait_for_version(bus, stream, run_name, 2, timeout_s=120)
+
+    w2 = trio.run(main)
+    state = ckpt.load_trainer_state(w2.path)
+    assert state["step"] == 2
+    assert state["ledger"] == {**{s.rollout.rollout_id: 0 for s in group_a},
+                               **{s.rollout.rollout_id: 1 for s in group_b}}

@@ -1,0 +1,83 @@
+"""`reinforge sft`: demonstrations, response-only loss, determinism, caching, the CLI."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from reinforge.actors import checkpoint as ckpt
+from reinforge.actors.sft import Demo, SFTConfig, demos_from_domains, demos_from_jsonl, run_sft
+
+
+def cfg(model, out, **kw):
+    base = {"model": str(model), "out": str(out), "steps": 4, "batch_size": 4,
+            "num_examples": 8, "torch_threads": 1, "learning_rate": 3e-3}
+    base.update(kw)
+    return SFTConfig(**base)
+
+
+def test_domain_demonstrations_are_seeded_references():
+    a = demos_from_domains(("math", "code"), (0, 1), 6, seed=3)
+    assert a == demos_from_domains(("math", "code"), (0, 1), 6, seed=3)
+    assert a != demos_from_domains(("math", "code"), (0, 1), 6, seed=4)
+    assert len(a) == 6 and all(d.response for d in a)
+    assert a[0].response.endswith(a[0].response.split("#### ")[-1])  # math ends with its answer
+    with pytest.raises(ValueError, match="unknown domain 'nope'"):
+        demos_from_domains(("nope",), (0,), 1, seed=0)
+
+
+def test_a_bad_jsonl_row_is_refused_with_its_line_number(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "a", "response": "b"}\n\n{"prompt": "c"}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:3: not a \{prompt, response\} row"):
+        demos_from_jsonl(path)
+    path.write_text('{"prompt": "a", "response": "b"}\n')
+    assert demos_from_jsonl(path) == [Demo("a", "b")]
+
+
+def test_sft_is_deterministic_cached_and_learns_the_demonstrations(tiny_model_dir, tmp_path):
+    first = run_sft(cfg(tiny_model_dir, tmp_path / "a", steps=12))
+    second = run_sft(cfg(tiny_model_dir, tmp_path / "b", steps=12))
+    assert not first["cached"] and not second["cached"]
+    assert first["input_hash"] == second["input_hash"]
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == \
+        (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert first["loss_last10_mean"] < first["loss_first"]
+    again = run_sft(cfg(tiny_model_dir, tmp_path / "a", steps=12))
+    assert again["cached"] and again["loss_last"] == first["loss_last"]
+    changed = run_sft(cfg(tiny_model_dir, tmp_path / "a", steps=3))
+    assert not changed["cached"] and changed["input_hash"] != first["input_hash"]
+    assert ckpt.read_manifest(tmp_path / "a").extra["input_hash"] == changed["input_hash"]
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(str(tmp_path / "a"), dtype=torch.float32)
+
+
+def test_the_loss_counts_response_tokens_only(tiny_model_dir, tmp_path):
+    # identical responses after wildly different prompts: a response-only loss lets the
+    # model drive the loss near zero quickly; the prompts themselves are unlearnable noise
+    rows = [{"prompt": f"noise {i * 7919 % 1000} {i * 104729 % 977}", "response": "#### 7"}
+            for i in range(16)]
+    path = tmp_path / "demos.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = run_sft(cfg(tiny_model_dir, tmp_path / "o", jsonl=str(path), steps=30,
+                      batch_size=8, learning_rate=1e-2))
+    assert res["examples"] == 16
+    assert res["loss_last10_mean"] < 0.1 < res["loss_first"]
+
+
+def test_the_sft_command_prints_a_final_json_line(tiny_model_dir, tmp_path):
+    out = tmp_path / "cli"
+    proc = subprocess.run(
+        [sys.executable, "-m", "reinforge", "sft", "--model", str(tiny_model_dir), "--out",
+         str(out), "--steps", "2", "--examples", "4", "--batch-size", "2", "--threads", "1"],
+        capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["out"] == str(out) and result["steps"] == 2 and not result["cached"]
+    assert "sft step 2/2" in proc.stderr
+    bad = subprocess.run([sys.executable, "-m", "reinforge", "sft", "--model", str(tmp_path),
+                          "--out", str(out)], capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert bad.returncode == 2 and "no config.json there" in bad.stderr
