@@ -344,7 +344,8 @@ class Scheduler(Actor):
         c.groups += 1
         c.tokens += tally.tokens
         c.infra_samples += len(tally.infra)
-        if group_is_informative(rewards):
+        informative = group_is_informative(rewards)
+        if informative:
             c.informative_groups += 1
         else:
             c.wasted_tokens += tally.tokens
@@ -365,7 +366,10 @@ class Scheduler(Actor):
                     lease.base_id, TaskRecord())
                 rec.passes += sum(rewards)
                 rec.fails += len(rewards) - sum(rewards)
-        st.done_since_version += 1
+        # Only groups with signal move the learner towards its next version (it skips the
+        # rest); counting the others here would stall issuing while the learner waits.
+        if informative:
+            st.done_since_version += 1
         self._wakeup.set()
 
     async def on_weights(self, msg: WeightsPublished | Rollback) -> None:

@@ -9,13 +9,16 @@ config files (mode 0600) and the credentials file (0600), never in argv.
 A node may live inside a network namespace (`netns="..."`): it is then started with
 `ip netns exec NS nats-server -c CONF` and listens on the namespace's own address, as a
 separate machine would. Without a namespace every node listens on 127.0.0.1 with its own
-ports. What the cluster does NOT set up: the namespaces themselves (scripts/netns.sh does
-that for tests), and TLS (clients use `nats://`; see docs/multihost.md for real machines).
+ports. Routes can also run over mutual TLS (`route_tls=True`: a CA and one node
+certificate are generated with `openssl` under data_dir/tls). What the cluster does NOT set
+up: the namespaces themselves (scripts/netns.sh does that for tests), and TLS for clients
+(they use `nats://`; see docs/multihost.md).
 
-JetStream: file storage, `sync_interval: always` (notes/reliability.md); streams for a run
-that must survive losing a node need `num_replicas=3`: create the stream with
-`bus.ensure_run_stream(run, replicas=3)` before the actors start (they never scale it down). Servers ping every `ping_interval_s` on routes and clients, so a cut link is noticed
-in seconds rather than the two-minute default.
+JetStream: file storage, `sync_interval: always` (notes/reliability.md). A run's stream
+that must survive losing a node needs three replicas: create it with
+`bus.ensure_run_stream(run, replicas=3)` before the actors start (their own R1 call never
+scales it down). Servers ping every `ping_interval_s` on routes and clients, so a cut link
+is noticed in seconds rather than after the two-minute default.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from reinforge.core.natsd import NatsCredentials, NatsServerError, _free_port, find_nats_server
 
@@ -81,6 +84,8 @@ class NatsCluster:
     """Server pings on routes and clients; `ping_max` unanswered pings close the link."""
     ping_max: int = 3
     max_payload: str = "8MB"
+    route_tls: bool = False
+    """Routes over mutual TLS too (a generated CA and node certificate under data_dir/tls)."""
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir)
@@ -184,8 +189,24 @@ class NatsCluster:
             f"    password: {q(self.route_password)}\n"
             "    timeout: 2\n"
             "  }\n"
+            f"{self._route_tls_block()}"
             f"  routes = [\n    {routes}\n  ]\n"
             "}\n"
+        )
+
+    def _route_tls_block(self) -> str:
+        if not self.route_tls:
+            return ""
+        files = make_tls_files(self.data_dir / "tls", [n.host for n in self.nodes])
+        q = json.dumps
+        return (
+            "  tls {\n"
+            f"    cert_file: {q(str(files['cert']))}\n"
+            f"    key_file: {q(str(files['key']))}\n"
+            f"    ca_file: {q(str(files['ca']))}\n"
+            "    verify: true\n"
+            "    timeout: 2\n"
+            "  }\n"
         )
 
     def _write_config(self, node: ClusterNode) -> Path:
@@ -286,7 +307,7 @@ class NatsCluster:
         except FileNotFoundError:
             return "(no log)"
 
-    def __enter__(self) -> NatsCluster:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -312,3 +333,38 @@ def _healthz(url: str) -> bool:
     except OSError:
         return False
 
+
+
+def make_tls_files(tls_dir: Path, hosts: list[str]) -> dict[str, Path]:
+    """A private CA and one certificate (server and client use) valid for `hosts`.
+
+    Made once per directory with the `openssl` command; keys are written 0600. Every node
+    presents the same certificate: what it proves is "holds the cluster's key".
+    """
+    tls_dir = Path(tls_dir)
+    files = {"ca": tls_dir / "ca.pem", "cert": tls_dir / "node.pem", "key": tls_dir / "node.key"}
+    if all(f.exists() for f in files.values()):
+        return files
+    tls_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(tls_dir, 0o700)
+    sans = sorted({*hosts, "127.0.0.1"})
+    alt = ",".join(f"IP:{h}" if h.replace(".", "").isdigit() else f"DNS:{h}" for h in sans)
+    (tls_dir / "ext.cnf").write_text(
+        f"subjectAltName={alt}\nextendedKeyUsage=serverAuth,clientAuth\n"
+    )
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    steps = [
+        ["req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "3650",
+         "-subj", "/CN=reinforge cluster CA"],
+        ["req", *ec, "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=reinforge node"],
+        ["x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+         "-CAcreateserial", "-out", "node.pem", "-days", "825", "-extfile", "ext.cnf"],
+    ]
+    for step in steps:
+        proc = subprocess.run(["openssl", *step], cwd=tls_dir, capture_output=True, text=True,
+                              check=False)
+        if proc.returncode != 0:
+            raise NatsServerError(f"openssl {step[0]} in {tls_dir} failed: {proc.stderr[-500:]}")
+    for key in ("ca.key", "node.key"):
+        os.chmod(tls_dir / key, 0o600)
+    return files

@@ -44,6 +44,13 @@ own uid, RLIMIT_DATA for memory, RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CPU, nice f
 and by a wall-clock deadline outside (the host kills the whole container, which the pool then
 replaces). `RunResult.limits` says which mechanism is in force.
 
+Host processes. Podman runs each exec under a conmon that, once the exec has ended, waits the
+service's `exit_command_delay` (300 s by default) before cleaning the session up: two processes
+per exec, even after the container is gone. The sandbox makes its finished sessions clean up at
+once (every `exec_reap_s`) and, when it closes, ends the monitors of its removed container, so
+their number stays bounded over a long run (tests/sandbox/test_sandbox_monitors.py);
+scripts/setup_podman.sh also sets a short delay for the sandbox service.
+
 It protects against (each claim is attacked in tests/sandbox/):
   - fork bombs, memory bombs, disk fill, busy loops, sleeping past the timeout, infinite output
     (contained, reported with a precise status; the sandbox is replaced afterwards);
@@ -85,11 +92,12 @@ import json
 import os
 import pwd
 import secrets
+import signal
 import tarfile
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -208,12 +216,20 @@ class SandboxConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Largest argv + env + stdin + files of one run; more is refused (INPUT_TOO_LARGE)."""
     api_timeout_s: float = 30.0
     """Timeout of one Podman API call (not of the command)."""
+    exec_reap_s: float = 2.0
+    """At most this often (seconds, at the start of an exec) the sandbox makes Podman clean up
+    its finished exec sessions now rather than after the service's `exit_command_delay`
+    (containers.conf; 300 s by default), during which each exec holds two conmon processes
+    (see `reap_exec_monitors`); 0 disables it (then scripts/setup_podman.sh's short delay is
+    the only bound)."""
     nice: int = 5
     """Niceness of candidate processes."""
     labels: dict[str, str] = {}
     """Extra container labels (e.g. to find one run's containers); `reinforge.sandbox=1` always."""
 
     def __post_init__(self) -> None:
+        if not self.exec_reap_s >= 0:
+            raise ValueError(f"SandboxConfig.exec_reap_s must be >= 0, got {self.exec_reap_s!r}")
         for name in ("timeout_s", "cpus", "api_timeout_s", "memory_poll_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"SandboxConfig.{name} must be > 0, got {getattr(self, name)!r}")
@@ -334,6 +350,135 @@ def rss_of_host_uid(host_uid: int) -> int:
     return total
 
 
+# --------------------------------------------------------------------------- exec monitors
+# Podman's API runs every exec under its own conmon. When the exec ends, conmon forks a child
+# that sleeps `exit_command_delay` (containers.conf, default 300 s: "mimics Docker's exec
+# cleanup") and then runs `podman container cleanup --rm --exec <session> <container>`; the
+# parent waits for it. So each exec holds two conmon processes (and its session in Podman's
+# state) for 5 minutes after it ended, even when its container was removed meanwhile: at a few
+# execs a second that is thousands of processes. scripts/setup_podman.sh sets a short delay for
+# the sandbox service; these functions bound them whatever the service's setting.
+
+
+class ExecMonitor(msgspec.Struct, frozen=True, kw_only=True):
+    """A conmon process of one exec session, as seen in /proc."""
+
+    pid: int
+    container_id: str
+    session_id: str
+    exit_delay_s: int
+    """The delay before the session's clean-up (the service's exit_command_delay)."""
+    waiting: bool
+    """The forked child sleeping exit_delay_s before the clean-up: the exec has ended.
+    False: the monitor itself (of a running exec, or the parent that waits for its child)."""
+    age_s: float
+    cmdline: bytes
+    """Its raw /proc command line: checked again before it is signalled (pid reuse)."""
+
+
+def exec_monitors(container_ids: Collection[str] | None = None) -> list[ExecMonitor]:
+    """The exec sessions' conmon processes on this host (of `container_ids` only, if given).
+
+    Empty where /proc shows none (another pid namespace, a remote Podman, not Linux)."""
+    wanted = set(container_ids) if container_ids is not None else None
+    found: list[tuple[int, int, bytes, list[bytes], float]] = []
+    try:
+        with open("/proc/uptime", "rb") as f:
+            uptime_s = float(f.read().split()[0])
+        names = os.listdir("/proc")
+    except (OSError, ValueError, IndexError):
+        return []
+    ticks = os.sysconf("SC_CLK_TCK")
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/comm", "rb") as f:
+                if f.read() != b"conmon\n":
+                    continue
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        args = cmdline.split(b"\0")
+        if b"--exec-process-spec" not in args or b"-c" not in args or b"-u" not in args:
+            continue  # a container's own conmon, not an exec's
+        try:
+            cid = args[args.index(b"-c") + 1].decode()
+            if wanted is not None and cid not in wanted:
+                continue
+            ppid, start_ticks = int(stat[1]), int(stat[19])
+        except (IndexError, ValueError, UnicodeDecodeError):
+            continue
+        found.append((int(name), ppid, cmdline, args, uptime_s - start_ticks / ticks))
+    pids = {pid: cmdline for pid, _, cmdline, _, _ in found}
+    out = []
+    for pid, ppid, cmdline, args, age_s in found:
+        delay = 0
+        if b"--exit-delay" in args:
+            try:
+                delay = int(args[args.index(b"--exit-delay") + 1])
+            except (IndexError, ValueError):
+                pass
+        out.append(
+            ExecMonitor(
+                pid=pid,
+                container_id=args[args.index(b"-c") + 1].decode(),
+                session_id=args[args.index(b"-u") + 1].decode(errors="replace"),
+                exit_delay_s=delay,
+                waiting=pids.get(ppid) == cmdline,  # conmon's fork for the delayed exit command
+                age_s=max(0.0, age_s),
+                cmdline=cmdline,
+            )
+        )
+    return out
+
+
+def _signal_monitor(monitor: ExecMonitor, sig: int) -> bool:
+    """Signal `monitor` if its pid still is that process (pidfd: no pid-reuse race)."""
+    try:
+        fd = os.pidfd_open(monitor.pid)
+    except OSError:
+        return False
+    try:
+        with open(f"/proc/{monitor.pid}/cmdline", "rb") as f:
+            if f.read() != monitor.cmdline:
+                return False
+        signal.pidfd_send_signal(fd, sig)
+        return True
+    except OSError:  # gone meanwhile, or not ours to signal (another user's Podman)
+        return False
+    finally:
+        os.close(fd)
+
+
+def reap_exec_monitors(container_id: str, *, removed: bool, min_age_s: float = 1.0) -> int:
+    """End the exec monitors of one container that only wait out the exit_command_delay.
+
+    removed=True (the container is gone, and with it its exec sessions; their pending clean-up
+    can only fail): SIGKILL all its exec monitors, a few passes until none is left.
+    removed=False (a live container): SIGTERM the waiting children older than `min_age_s`; conmon
+    answers by running the session's clean-up now (`podman container cleanup --rm --exec`),
+    which removes the session from Podman's state, and both processes exit.
+    Never raises; returns how many processes it signalled.
+    """
+    signalled = 0
+    for attempt in range(5 if removed else 1):
+        monitors = exec_monitors([container_id])
+        if removed:
+            todo = sorted(monitors, key=lambda m: not m.waiting)  # children before parents
+            if not todo:
+                break
+            signalled += sum(_signal_monitor(m, signal.SIGKILL) for m in todo)
+            time.sleep(0.02 * (attempt + 1))
+        else:
+            todo = [m for m in monitors if m.waiting and m.age_s >= min_age_s]
+            signalled += sum(_signal_monitor(m, signal.SIGTERM) for m in todo)
+    return signalled
+
+
 def make_tar(files: Mapping[str, bytes | str]) -> bytes:
     """A tar of `files` (relative paths -> contents): dirs 0777 (so reset can wipe them),
     files 0644, or 0755 when they start with '#!'."""
@@ -443,6 +588,9 @@ class Sandbox:
         self.runs = 0
         self.created_s = time.monotonic()
         self._stdin_seq = 0
+        self._reaped_at_s = time.monotonic()
+        self.monitors_reaped = 0
+        """Exec monitors this sandbox ended early (see reap_exec_monitors)."""
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -538,9 +686,11 @@ class Sandbox:
         return self._container.name
 
     def close(self) -> None:
-        """Kill and remove the container (idempotent, never raises)."""
+        """Kill and remove the container, then end its exec sessions' conmon monitors that
+        would otherwise wait out Podman's exit_command_delay (idempotent, never raises)."""
         self.healthy = False
-        _quiet_remove(self._container)
+        if _quiet_remove(self._container):
+            self.monitors_reaped += reap_exec_monitors(self._container.id, removed=True)
 
     def __enter__(self) -> Sandbox:
         return self
@@ -765,6 +915,11 @@ class Sandbox:
         )
 
     def _exec_start(self, argv: Sequence[str], env: Mapping[str, str]):
+        reap_s = self.config.exec_reap_s
+        if reap_s and time.monotonic() - self._reaped_at_s >= reap_s:
+            # one exec at a time: every earlier session of this sandbox has ended and been read
+            self._reaped_at_s = time.monotonic()
+            self.monitors_reaped += reap_exec_monitors(self._container.id, removed=False)
         api = self._container.client
         body = {
             "AttachStdout": True,
@@ -1037,16 +1192,18 @@ def _read_exact(raw, n: int) -> bytes:
     return data
 
 
-def _quiet_remove(container) -> None:
-    """Remove a container, killing it first; retried (a just-killed one may still be stopping)."""
+def _quiet_remove(container) -> bool:
+    """Remove a container, killing it first; retried (a just-killed one may still be stopping).
+    True once it is gone (removed now or before)."""
     for attempt in range(10):
         try:
             container.remove(force=True)
-            return
+            return True
         except Exception as exc:
             if "no such container" in str(exc).lower() or type(exc).__name__ == "NotFound":
-                return
+                return True
             time.sleep(0.1 * (attempt + 1))
+    return False
 
 
 def _explain_create_error(image: str, exc: Exception) -> str:

@@ -89,13 +89,38 @@ as_user() {
 
 # --- 3. runtime and storage config -------------------------------------------------------------
 CONF_DIR="$SB_HOME/.config/containers"
+CONF="$CONF_DIR/containers.conf"
 as_user mkdir -p "$CONF_DIR"
+# engine_set KEY VALUE [keep]: `KEY = VALUE` in the [engine] table of the podman user's
+# containers.conf, other settings untouched; with "keep", a KEY already there is left alone.
+engine_set() {
+    local key="$1" value="$2" keep="${3:-}" cur new
+    cur="$(as_user cat "$CONF" 2>/dev/null || true)"
+    new="$({ [ -z "$cur" ] || printf '%s\n' "$cur"; } | awk -v k="$key" -v v="$value" -v keep="$keep" '
+        function header(line) { gsub(/^[ \t]*\[+|\]+[ \t]*(#.*)?$/, "", line); return line }
+        /^[ \t]*\[/ { if (sec == "engine" && !done) { print k " = " v; done = 1 }
+                      sec = header($0); print; next }
+        sec == "engine" && $0 ~ ("^[ \t]*" k "[ \t]*=") {
+            if (keep == "keep") print; else print k " = " v; done = 1; next }
+        { print }
+        END { if (!done) { if (sec != "engine") print "[engine]"; print k " = " v } }')"
+    if [ "$new" != "$cur" ]; then
+        log "setting $key = $value in $CONF"
+        printf '%s\n' "$new" | as_user sh -c "cat > '$CONF'"
+    fi
+}
 if [ "$(stat -fc %T /sys/fs/cgroup)" != "cgroup2fs" ]; then
     # hybrid or v1 cgroups: crun refuses ("cgroups in hybrid mode not supported"); runc works
-    if ! grep -qs 'runtime *= *"runc"' "$CONF_DIR/containers.conf"; then
-        log "cgroups are not pure v2: setting runtime = \"runc\" for $SANDBOX_USER"
-        as_user sh -c "printf '[engine]\nruntime = \"runc\"\n' > '$CONF_DIR/containers.conf'"
-    fi
+    engine_set runtime '"runc"'
+fi
+# Every exec through the API keeps two conmon processes (and its session) alive for
+# exit_command_delay after it ended: Podman's default 300 s ("mimics Docker") means thousands
+# of processes at a few execs a second. The sandbox reads an exec's status right after it ends.
+EXIT_DELAY_S="${REINFORGE_EXEC_CLEANUP_DELAY_S:-10}"
+if [ "$AS_ROOT" -eq 1 ]; then
+    engine_set exit_command_delay "$EXIT_DELAY_S"
+else
+    engine_set exit_command_delay "$EXIT_DELAY_S" keep  # the user's own Podman: theirs if set
 fi
 if ! grep -qs 'driver *= *"overlay"' "$CONF_DIR/storage.conf"; then
     log "setting the overlay storage driver for $SANDBOX_USER"
@@ -113,12 +138,35 @@ service_up() {
 if ! command -v curl >/dev/null 2>&1; then
     service_up() { [ -S "$SOCK" ] && as_user podman --url "unix://$SOCK" version >/dev/null 2>&1; }
 fi
+# the service reads containers.conf when it starts: restart one older than the file
+# (containers keep running: rootless Podman has no daemon; in-flight API calls fail)
+service_pid() {
+    local pid
+    pid="$(cat "$RUNDIR/podman/service.pid" 2>/dev/null || true)"
+    if [ -n "$pid" ] && tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q "system service .*unix://$SOCK"; then
+        echo "$pid"; return
+    fi
+    pgrep -u "$SB_UID" -f "podman system service .*unix://$SOCK\$" | head -n 1 || true
+}
+if service_up && [ -f "$CONF" ]; then
+    pid="$(service_pid)"
+    if [ -n "$pid" ]; then
+        started_s=$(( $(date +%s) - $(ps -o etimes= -p "$pid" | tr -d ' ') ))
+        if [ "$(stat -c %Y "$CONF")" -gt "$started_s" ]; then
+            log "restarting podman system service (pid $pid) to read the new $CONF"
+            kill -TERM "$pid" 2>/dev/null || true
+            for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+            kill -KILL "$pid" 2>/dev/null || true
+            rm -f "$SOCK"
+        fi
+    fi
+fi
 if ! service_up; then
     log "starting podman system service at $SOCK"
     as_user mkdir -p "$RUNDIR/podman"
     rm -f "$SOCK"
-    as_user setsid nohup podman system service --time=0 "unix://$SOCK" \
-        >"$RUNDIR/podman/service.log" 2>&1 </dev/null &
+    as_user sh -c 'echo $$ > "$1/podman/service.pid"; exec setsid nohup podman system service --time=0 "unix://$2"' \
+        sh "$RUNDIR" "$SOCK" >"$RUNDIR/podman/service.log" 2>&1 </dev/null &
     for _ in $(seq 1 100); do service_up && break; sleep 0.1; done
     service_up || die "podman system service did not come up; see $RUNDIR/podman/service.log"
 fi

@@ -1,0 +1,243 @@
+"""`reinforge demo`: the whole system doing its real job on a CPU, in about ten minutes.
+
+    tiny model -> SFT warm start (cached) -> eval before (held-out) ->
+    `reinforge up` of a generated cluster config (scheduler, sampler + its embedded
+    rollout server, verifier with Podman sandboxes, learner, evaluator, monitor) ->
+    live progress -> `reinforge down` -> eval after (held-out) -> report -> JSON
+
+The cluster is started exactly as a user would start it (`reinforge up CONFIG --detach`,
+as a child process): no demo-only code path. The config it writes is kept in the run
+directory (`demo.toml`), so the same run can be started by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_DOMAINS = "math,code,docqa"
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("demo", help="post-train the tiny default model on a CPU, end to end")
+    p.add_argument("--minutes", type=float, default=10.0,
+                   help="wall-clock budget for the whole demo (default 10)")
+    p.add_argument("--run", default="demo", help="run name (default: demo)")
+    p.add_argument("--domains", default=DEFAULT_DOMAINS,
+                   help=f"comma-separated domains (default: {DEFAULT_DOMAINS})")
+    p.add_argument("--group-size", type=int, default=4, help="samples per task (GRPO group)")
+    p.add_argument("--learning-rate", type=float, default=5e-5)
+    p.add_argument("--eval-k", type=int, default=4)
+    p.add_argument("--eval-tasks-per-tier", type=int, default=4)
+    p.add_argument("--sft-steps", type=int, default=150)
+    p.add_argument("--json", action="store_true", help="end with one JSON object on stdout")
+    p.set_defaults(func=cmd_demo)
+
+
+def reinforge(*args: str, capture: bool = False, timeout_s: float | None = None) -> Any:
+    cmd = [sys.executable, "-m", "reinforge", *args]
+    if capture:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(cmd, timeout=timeout_s, stdout=sys.stderr)
+
+
+def say(text: str) -> None:
+    print(f"[demo {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def ensure_models(home: Path, domains: list[str], sft_steps: int) -> tuple[Path, Path]:
+    from reinforge.actors.sft import SFTConfig, run_sft
+    from reinforge.engine.tiny import init_tiny_model
+
+    base = home / "models" / "tiny"
+    if not (base / "config.json").exists():
+        say(f"creating the tiny default model in {base}")
+        init_tiny_model(base)
+    sft = home / "models" / f"sft-{'-'.join(domains)}-{sft_steps}"
+    say("SFT warm start (cached after the first time)")
+    result = run_sft(
+        SFTConfig(model=str(base), out=str(sft), domains=tuple(domains), tiers=(0,),
+                  steps=sft_steps, num_examples=384),
+        progress=lambda line: say(f"sft: {line}"),
+    )
+    say(f"SFT: {'cached' if result.get('cached') else 'trained'} -> {sft}")
+    return base, sft
+
+
+def evaluate(model: Path, domains: list[str], k: int, tasks_per_tier: int) -> dict[str, Any]:
+    out = reinforge("eval", "--model", str(model), "--domains", ",".join(domains),
+                    "--k", str(k), "--tiers", "0", "--tasks-per-tier", str(tasks_per_tier),
+                    "--max-new-tokens", "96", "--json", capture=True, timeout_s=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"reinforge eval failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
+                   args: argparse.Namespace) -> str:
+    """The TOML `reinforge up` runs. Sized for 2 CPU cores."""
+    mix = ", ".join(f"{d} = 1.0" for d in domains)
+    dlist = ", ".join(json.dumps(d) for d in domains)
+    ckpt = run_dir / "checkpoints"
+    return f"""# Written by `reinforge demo`; `reinforge up {run_dir / 'demo.toml'}` runs it again.
+run = "{run}"
+
+[supervisor]
+healthy_timeout_s = 300
+
+[[actors]]
+spec = "reinforge.actors.scheduler:Scheduler"
+config = {{ domains = {{ {mix} }}, group_size = {args.group_size}, max_in_flight = 6, groups_per_version = 4, max_staleness = 2 }}
+
+[[actors]]
+spec = "reinforge.actors.sampler:SamplerActor"
+config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], max_new_tokens = 96, concurrency = 2, temperature = 1.0, sandbox = false }}
+
+[[actors]]
+spec = "reinforge.actors.verifier:VerifierActor"
+config = {{ domains = [{dlist}], concurrency = 4, sandbox_pool_size = 1 }}
+
+[[actors]]
+spec = "reinforge.actors.learner:Learner"
+config = {{ model = {json.dumps(str(sft))}, checkpoint_dir = {json.dumps(str(ckpt))}, groups_per_batch = 4, group_size = {args.group_size}, learning_rate = {args.learning_rate}, torch_threads = 1, max_staleness = 2, keep_last = 2 }}
+
+[[actors]]
+spec = "reinforge.actors.monitor:Monitor"
+config = {{ snapshot_interval_s = 1.0, port = 0 }}
+"""
+
+
+def latest_checkpoint(run_dir: Path) -> tuple[Path | None, int]:
+    from reinforge.actors.checkpoint import latest_checkpoint as find_latest
+
+    found = find_latest(run_dir / "checkpoints")
+    if not found:
+        return None, 0
+    version, path = found
+    return Path(path), int(version)
+
+
+def progress_loop(run_dir: Path, deadline: float) -> None:
+    from reinforge.actors.monitor import read_snapshot, render_line, render_rich
+
+    tty = sys.stderr.isatty()
+    if tty:
+        from rich.console import Console
+        from rich.live import Live
+
+        with Live(console=Console(stderr=True), refresh_per_second=2) as live:
+            while time.time() < deadline:
+                snap = read_snapshot(run_dir)
+                if snap is not None:
+                    live.update(render_rich(snap))
+                time.sleep(1.0)
+        return
+    last = 0.0
+    while time.time() < deadline:
+        snap = read_snapshot(run_dir)
+        if snap is not None and time.time() - last >= 10:
+            left = deadline - time.time()
+            print(f"[demo] {render_line(snap)} | {left:.0f} s left", file=sys.stderr, flush=True)
+            last = time.time()
+        time.sleep(1.0)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from reinforge.cli import UserError
+    from reinforge.core import paths
+
+    t0 = time.time()
+    budget_s = args.minutes * 60
+    domains = [d.strip() for d in args.domains.split(",") if d.strip()]
+    home = paths.home()
+    run = args.run
+    run_dir = paths.run_dir(run)
+    if run_dir.exists():  # a demo run starts fresh: old checkpoints would skew "after"
+        reinforge("down", "--run", run, capture=True)
+        import shutil
+
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+
+    _, sft = ensure_models(home, domains, args.sft_steps)
+    say("evaluating the SFT checkpoint on the held-out sets")
+    before = evaluate(sft, domains, args.eval_k, args.eval_tasks_per_tier)
+    eval_s = before.get("eval_s", 60.0) + 30.0
+    config_path = run_dir / "demo.toml"
+    config_path.write_text(cluster_config(run, run_dir, sft, domains, args))
+
+    say(f"starting the cluster: reinforge up {config_path} --detach")
+    up = reinforge("up", str(config_path), "--run", run, "--detach", capture=True)
+    if up.returncode != 0:
+        raise UserError(f"reinforge up failed:\n{up.stdout}\n{up.stderr[-3000:]}")
+    say(up.stdout.strip())
+    # Leave room for the final evaluation and the report inside the budget.
+    train_until = t0 + max(budget_s - eval_s - 20.0, 60.0)
+    try:
+        progress_loop(run_dir, train_until)
+    finally:
+        say("stopping the cluster: reinforge down")
+        reinforge("down", "--run", run, capture=True)
+
+    final, version = latest_checkpoint(run_dir)
+    after_model = final or sft
+    say(f"evaluating the final checkpoint (version {version}) on the held-out sets")
+    after = evaluate(after_model, domains, args.eval_k, args.eval_tasks_per_tier)
+
+    from reinforge.actors.report import build_report
+
+    report_dir = run_dir / "report"
+    metrics = run_dir / "metrics" / "metrics.jsonl"
+    report_path = ""
+    if metrics.exists():
+        # The held-out evaluations ran offline (after `down`): add them to the run's
+        # metrics as eval records (version 0 = the SFT start), so the report plots them.
+        with open(metrics, "a") as f:
+            for version_of, res in ((0, before), (version, after)):
+                for d, sc in res["domains"].items():
+                    f.write(json.dumps({
+                        "t": time.time(), "kind": "eval", "version": version_of, "domain": d,
+                        "pass_at_1": sc["pass_at_1"], "pass_at_k": sc["pass_at_k"],
+                        "k": sc["k"], "n_tasks": sc["n_tasks"], "figures": {},
+                    }) + "\n")
+        report_path = build_report(metrics, report_dir, run=run).page
+    p1_before = {d: s["pass_at_1"] for d, s in before["domains"].items()}
+    p1_after = {d: s["pass_at_1"] for d, s in after["domains"].items()}
+    common = [d for d in p1_before if d in p1_after]
+    improvement = sum(p1_after[d] - p1_before[d] for d in common) / max(len(common), 1)
+    samples = count_scored(metrics)
+    result = {
+        "eval_before": p1_before,
+        "eval_after": p1_after,
+        "improvement": round(improvement, 4),
+        "samples": samples,
+        "versions": version,
+        "wall_s": round(time.time() - t0, 1),
+        "report": report_path,
+        "final_checkpoint": str(after_model),
+        "run_dir": str(run_dir),
+    }
+    (run_dir / "demo_result.json").write_text(json.dumps(result, indent=2))
+    say(f"eval pass@1 before {p1_before} after {p1_after}; improvement {improvement:+.3f}")
+    if args.json:
+        print(json.dumps(result), flush=True)
+    else:
+        print(json.dumps(result, indent=2))
+    return 0
+
+
+def count_scored(metrics: Path) -> int:
+    if not metrics.exists():
+        return 0
+    n = 0
+    with open(metrics) as f:
+        for line in f:
+            if '"kind": "scored"' in line or '"kind":"scored"' in line:
+                n += 1
+    return n
+
