@@ -12,6 +12,12 @@ PY
 
 step() { printf '\n==> %s\n' "$*"; }
 
+# iproute2 (network namespaces of the multi-host test) and openssl (its route TLS).
+if [ "$(id -u)" = 0 ] && ! { command -v ip && command -v openssl; } >/dev/null 2>&1; then
+  step "system packages: iproute2 openssl"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 openssl
+fi
+
 if [ -f scripts/setup_podman.sh ]; then
   step "rootless Podman (sandboxes)"
   bash scripts/setup_podman.sh
