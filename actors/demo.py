@@ -32,6 +32,8 @@ def register(subparsers: Any) -> None:
                    help=f"comma-separated domains (default: {DEFAULT_DOMAINS})")
     p.add_argument("--group-size", type=int, default=4, help="samples per task (GRPO group)")
     p.add_argument("--learning-rate", type=float, default=5e-5)
+    p.add_argument("--groups-per-batch", type=int, default=4,
+                   help="groups with signal per learner step (one step = one version)")
     p.add_argument("--eval-k", type=int, default=4)
     p.add_argument("--eval-tasks-per-tier", type=int, default=4)
     p.add_argument("--sft-steps", type=int, default=150)
@@ -92,7 +94,7 @@ healthy_timeout_s = 300
 
 [[actors]]
 spec = "reinforge.actors.scheduler:Scheduler"
-config = {{ domains = {{ {mix} }}, group_size = {args.group_size}, max_in_flight = 6, groups_per_version = 4, max_staleness = 2 }}
+config = {{ domains = {{ {mix} }}, group_size = {args.group_size}, max_in_flight = 6, groups_per_version = {args.groups_per_batch}, max_staleness = 2 }}
 
 [[actors]]
 spec = "reinforge.actors.sampler:SamplerActor"
@@ -104,7 +106,7 @@ config = {{ domains = [{dlist}], concurrency = 4, sandbox_pool_size = 1 }}
 
 [[actors]]
 spec = "reinforge.actors.learner:Learner"
-config = {{ model = {json.dumps(str(sft))}, checkpoint_dir = {json.dumps(str(ckpt))}, groups_per_batch = 4, group_size = {args.group_size}, learning_rate = {args.learning_rate}, torch_threads = 1, max_staleness = 2, keep_last = 2 }}
+config = {{ model = {json.dumps(str(sft))}, checkpoint_dir = {json.dumps(str(ckpt))}, groups_per_batch = {args.groups_per_batch}, group_size = {args.group_size}, learning_rate = {args.learning_rate}, torch_threads = 1, max_staleness = 2, keep_last = 2 }}
 
 [[actors]]
 spec = "reinforge.actors.monitor:Monitor"
