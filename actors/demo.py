@@ -31,11 +31,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--domains", default=DEFAULT_DOMAINS,
                    help=f"comma-separated domains (default: {DEFAULT_DOMAINS})")
     p.add_argument("--group-size", type=int, default=4, help="samples per task (GRPO group)")
-    p.add_argument("--learning-rate", type=float, default=5e-5)
-    p.add_argument("--groups-per-batch", type=int, default=4,
+    p.add_argument("--learning-rate", type=float, default=1e-4)
+    p.add_argument("--groups-per-batch", type=int, default=2,
                    help="groups with signal per learner step (one step = one version)")
     p.add_argument("--eval-k", type=int, default=4)
-    p.add_argument("--eval-tasks-per-tier", type=int, default=4)
+    p.add_argument("--eval-tasks-per-tier", type=int, default=20)
     p.add_argument("--sft-steps", type=int, default=150)
     p.add_argument("--json", action="store_true", help="end with one JSON object on stdout")
     p.set_defaults(func=cmd_demo)

@@ -350,14 +350,9 @@ class _Runner:
                     nursery.start_soon(self._await_stop, sub)
 
     async def _await_stop(self, sub: Any) -> None:
-        async for batch in sub:
-            for raw in batch:
-                try:
-                    msg = decode(raw.data)
-                except MessageError:
-                    continue
-                if isinstance(msg, Stop) and msg.actor_id in ("", self.ctx.actor_id):
-                    self.ctx.stop_requested.set()
+        async for msg in sub.typed(Stop):
+            if msg.actor_id in ("", self.ctx.actor_id):
+                self.ctx.stop_requested.set()
 
     async def _listen_for_signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

@@ -36,7 +36,7 @@ import trio_asyncio
 from trio_asyncio import aio_as_trio
 
 from reinforge.core import subjects
-from reinforge.core.messages import encode
+from reinforge.core.messages import MessageError, decode, encode
 from reinforge.core.natsd import NatsCredentials
 
 
@@ -486,6 +486,19 @@ class Subscription:
 
     def __aiter__(self) -> Subscription:
         return self
+
+    async def typed(self, *types: type) -> AsyncIterator[Any]:
+        """Decoded messages of `types`, skipping anything else: for control-plane observers,
+        where a stray or malformed message is noise (counted), not work to dead-letter."""
+        async for batch in self:
+            for raw in batch:
+                try:
+                    msg = decode(raw.data)
+                except MessageError:
+                    self._bus.count("skipped_malformed")
+                    continue
+                if isinstance(msg, types):
+                    yield msg
 
     async def __anext__(self) -> list[RawMsg]:
         queue = self._queue

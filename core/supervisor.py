@@ -34,7 +34,6 @@ from reinforge.core.messages import (
     CommandReply,
     Heartbeat,
     MessageError,
-    StatusQuery,
     StatusReport,
     Stop,
     decode,
@@ -243,14 +242,9 @@ class Supervisor:
 
     async def _listen_for_run_stop(self, bus: Bus) -> None:
         async with bus.subscribe(subjects.stop(self.run)) as sub:
-            async for batch in sub:
-                for raw in batch:
-                    try:
-                        msg = decode(raw.data)
-                    except MessageError:
-                        continue
-                    if isinstance(msg, Stop) and not msg.actor_id:
-                        self.request_stop()
+            async for msg in sub.typed(Stop):
+                if not msg.actor_id:
+                    self.request_stop()
 
     # -- heartbeats, status and the watchdog -------------------------------------------------
 
@@ -262,28 +256,17 @@ class Supervisor:
                 nursery.start_soon(self._consume_announces, announces)
 
     async def _consume_beats(self, sub: Any) -> None:
-        async for batch in sub:
-            for raw in batch:
-                try:
-                    hb = decode(raw.data)
-                except MessageError:
-                    continue
-                if isinstance(hb, Heartbeat):
-                    child = self._child_for_pid(hb.pid, hb.host)
-                    self.table[hb.actor_id] = ActorStatus(
-                        heartbeat=hb, last_seen=time.time(), supervised=child is not None,
-                        restarts=child.total_restarts if child else 0,
-                    )
+        async for hb in sub.typed(Heartbeat):
+            child = self._child_for_pid(hb.pid, hb.host)
+            self.table[hb.actor_id] = ActorStatus(
+                heartbeat=hb, last_seen=time.time(), supervised=child is not None,
+                restarts=child.total_restarts if child else 0,
+            )
 
     async def _consume_announces(self, sub: Any) -> None:
-        async for batch in sub:
-            for raw in batch:
-                try:
-                    msg = decode(raw.data)
-                except MessageError:
-                    continue
-                if isinstance(msg, Announce) and msg.event == "left":
-                    self.table.pop(msg.actor_id, None)
+        async for msg in sub.typed(Announce):
+            if msg.event == "left":
+                self.table.pop(msg.actor_id, None)
 
     def _child_for_pid(self, pid: int, host: str) -> Child | None:
         if host != socket.gethostname():
