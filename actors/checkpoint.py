@@ -186,6 +186,23 @@ def prune_checkpoints(root: str | Path, keep_last: int, protect: Iterable[int] =
     return deleted
 
 
+def delete_newer_checkpoints(root: str | Path, version: int) -> list[int]:
+    """Delete every checkpoint newer than `version` (a rollback), newest first; returns the
+    versions deleted. Each disappears by one atomic rename; after a crash part-way the
+    caller redoes the rollback (its message was not yet acked)."""
+    root = Path(root)
+    deleted = []
+    for v, path in reversed(list_checkpoints(root)):
+        if v <= version:
+            break
+        aside = root / f".tmp-rolledback-{path.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(path, aside)  # atomic: the version is gone before its files are
+        _fsync_path(root)
+        shutil.rmtree(aside, ignore_errors=True)
+        deleted.append(v)
+    return deleted
+
+
 def save_model_checkpoint(
     final: str | Path,
     *,
@@ -219,6 +236,13 @@ def load_trainer_state(path: str | Path) -> dict[str, Any]:
     if not file.is_file():
         raise CheckpointError(f"{file} does not exist (not a learner checkpoint?)")
     return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def created_at(path: str | Path) -> str:
+    """A checkpoint's creation time as written in its manifest ("0" when it has none, e.g. a
+    plain model directory): it tells apart two checkpoints that carry the same version."""
+    manifest = read_manifest(path)
+    return repr(manifest.created_at) if manifest is not None else "0"
 
 
 def manifest_json(path: str | Path) -> dict[str, Any]:

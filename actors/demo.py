@@ -81,8 +81,10 @@ def evaluate(model: Path, domains: list[str], k: int, tasks_per_tier: int) -> di
 
 
 def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
-                   args: argparse.Namespace) -> str:
-    """The TOML `reinforge up` runs. Sized for 2 CPU cores."""
+                   args: argparse.Namespace, *, max_staleness: int = 2) -> str:
+    """The TOML `reinforge up` runs. Sized for 2 CPU cores. `max_staleness=0` makes the
+    actors take turns (generate, verify, train, each waiting for the last): the synchronous
+    baseline of `bench/rl_throughput.py`."""
     mix = ", ".join(f"{d} = 1.0" for d in domains)
     dlist = ", ".join(json.dumps(d) for d in domains)
     ckpt = run_dir / "checkpoints"
@@ -94,7 +96,7 @@ healthy_timeout_s = 300
 
 [[actors]]
 spec = "reinforge.actors.scheduler:Scheduler"
-config = {{ domains = {{ {mix} }}, group_size = {args.group_size}, max_in_flight = 6, groups_per_version = {args.groups_per_batch}, max_staleness = 2 }}
+config = {{ domains = {{ {mix} }}, group_size = {args.group_size}, max_in_flight = 6, groups_per_version = {args.groups_per_batch}, max_staleness = {max_staleness} }}
 
 [[actors]]
 spec = "reinforge.actors.sampler:SamplerActor"
@@ -106,7 +108,7 @@ config = {{ domains = [{dlist}], concurrency = 4, sandbox_pool_size = 1 }}
 
 [[actors]]
 spec = "reinforge.actors.learner:Learner"
-config = {{ model = {json.dumps(str(sft))}, checkpoint_dir = {json.dumps(str(ckpt))}, groups_per_batch = {args.groups_per_batch}, group_size = {args.group_size}, learning_rate = {args.learning_rate}, torch_threads = 1, max_staleness = 2, keep_last = 2 }}
+config = {{ model = {json.dumps(str(sft))}, checkpoint_dir = {json.dumps(str(ckpt))}, groups_per_batch = {args.groups_per_batch}, group_size = {args.group_size}, learning_rate = {args.learning_rate}, torch_threads = 1, max_staleness = {max_staleness}, keep_last = 2 }}
 
 [[actors]]
 spec = "reinforge.actors.monitor:Monitor"

@@ -239,8 +239,8 @@ def regression_rollback(
 class EvaluatorState(msgspec.Struct, kw_only=True):
     last_good: GoodVersion | None = None
     evaluated: list[str] = []
-    """f"{version}:{path}" of every version scored (a version number reused after a
-    rollback, with a new checkpoint, is scored again)."""
+    """f"{version}:{path}" of every version scored; a Rollback forgets those past its
+    to_version, whose numbers (and paths) the learner reuses for new checkpoints."""
     rolled_back: list[int] = []
 
 
@@ -397,6 +397,10 @@ class Evaluator(Actor):
     async def on_weights(self, msg: WeightsPublished | Rollback) -> None:
         cfg: EvaluatorConfig = self.config
         if isinstance(msg, Rollback):
+            # the learner reuses the numbers (and paths) past to_version: score them afresh
+            self.state.evaluated = [k for k in self.state.evaluated
+                                    if int(k.split(":", 1)[0]) <= msg.to_version]
+            save_json_atomic(self.state_path, self.state)
             return
         key = f"{msg.version}:{msg.path}"
         if key in self.state.evaluated or msg.version % cfg.every_versions:

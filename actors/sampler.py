@@ -375,6 +375,12 @@ class SamplerActor(Actor):
                 ]
         finally:
             await gen.__aexit__(None, None, None)
+        served = [r.policy_version for r in rollouts]
+        if served and max(served) < self.version:
+            # The rollout server restarted on its start-up weights: load the newest again.
+            # (These rollouts carry the version that made them; the learner judges them.)
+            self.version = min(served)
+            await self.catch_up_weights()
         for r in rollouts:
             await self.ctx.publish_durable(
                 subjects.rollout(self.ctx.run, msg.domain), r, msg_id=r.rollout_id

@@ -190,6 +190,8 @@ class SchedulerState(msgspec.Struct, kw_only=True):
     counters: dict[str, DomainCounters] = {}
     eval_pass_at_1: dict[str, float] = {}
     rollbacks: int = 0
+    abandoned: list[str] = []
+    """Task ids given up after max_attempts (the newest 4096): their recorded reason."""
 
 
 def save_state(path: Path, state: SchedulerState) -> None:
@@ -537,6 +539,8 @@ class Scheduler(Actor):
             if lease.task.attempt >= cfg.max_attempts:
                 del st.leases[task_id]
                 c.abandoned += 1
+                st.abandoned.append(task_id)
+                del st.abandoned[:-4096]
                 say(f"task {task_id} abandoned after {lease.task.attempt} attempts")
                 continue
             task = msgspec.structs.replace(

@@ -87,13 +87,27 @@ class Trainer:
             self.reference = load_policy(reference_dir).eval()
             self.reference.requires_grad_(False)
 
-    def state_dict(self, *, step: int, ledger: dict[str, int], counters: dict[str, int]):
+    def restore(self, model_dir: str | Path, state: dict[str, Any]) -> None:
+        """Return the policy and optimizer to a checkpoint (a rollback); the reference stays."""
+        loaded = load_policy(model_dir)
+        self.model.load_state_dict(loaded.state_dict())
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=self.cfg.learning_rate, weight_decay=self.cfg.weight_decay
+        )
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+
+    def state_dict(self, *, step: int, ledger: dict[str, int], counters: dict[str, int],
+                   tasks: dict[str, str] | None = None,
+                   rollbacks_applied: list[str] | None = None) -> dict[str, Any]:
         return {
             "step": step,
             "optimizer": self.optimizer.state_dict(),
             "rng": torch.get_rng_state(),
             "ledger": dict(ledger),
+            "tasks": dict(tasks or {}),
             "counters": dict(counters),
+            "rollbacks_applied": list(rollbacks_applied or []),
         }
 
     def train_step(self, samples: list[Any], version: int) -> dict[str, float]:

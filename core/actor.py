@@ -143,6 +143,12 @@ class Ticket:
         if not self.settled:
             await self._consumer.in_progress([self.delivery])
 
+    async def term(self) -> None:
+        """Never redeliver (after the caller dead-lettered it with its reason)."""
+        if not self.settled:
+            self.settled = True
+            await self._consumer.term([self.delivery])
+
 
 async def ack_all(tickets: list[Ticket]) -> None:
     """Ack many tickets in one bridge crossing per consumer."""

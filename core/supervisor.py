@@ -183,6 +183,8 @@ class Supervisor:
                 self._nursery = nursery
                 nursery.start_soon(self._watch_heartbeats, bus)
                 nursery.start_soon(self._watchdog)
+                if self.nats is not None:
+                    nursery.start_soon(self._keep_nats_up)
                 if self.role == "up":
                     await nursery.start(self._serve_control, bus)
                 if self.config.rollout_server.enabled and self.role == "up":
@@ -217,6 +219,22 @@ class Supervisor:
                 proc.kill()
                 await proc.wait()
 
+    async def _keep_nats_up(self) -> None:
+        """Restart the embedded nats-server if it dies: same port, credentials and store, so
+        every client reconnects and JetStream resumes where its files left off."""
+        assert self.nats is not None
+        while not self.stopping:
+            await trio.sleep(0.5)
+            proc = self.nats.proc
+            if self.stopping or proc is None or proc.poll() is None:
+                continue
+            self.alert(f"nats-server (pid {proc.pid}) exited with {proc.returncode}; restarting")
+            try:
+                await trio.to_thread.run_sync(self.nats.start)
+            except Exception as exc:  # noqa: BLE001 - said loudly, tried again
+                self.alert(f"nats-server restart failed: {exc}")
+                await trio.sleep(2.0)
+
     async def _start_rollout_server(self) -> None:
         spec = self.config.rollout_server
         port_file = self.run_dir / "rollout_server.port"
@@ -232,6 +250,8 @@ class Supervisor:
                     return
                 await trio.sleep(0.1)
         port = int(port_file.read_text().strip())
+        # A restart must come back where the samplers look for it: pin the chosen port.
+        child.argv[child.argv.index("--port") + 1] = str(port)
         self.rollout_url = f"http://127.0.0.1:{port}"
         (self.run_dir / "rollout_server.json").write_text(json.dumps({"url": self.rollout_url}))
 

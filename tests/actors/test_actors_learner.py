@@ -25,11 +25,29 @@ def test_a_group_completes_at_group_size_and_counts_infra_errors_toward_it():
                                                                          "completed"]
     assert len(buf.ready) == 1 and not buf.pending
     assert buf.add(group[0], "again") == "added"  # a new group: t1 was not consumed yet
-    buf.consume(buf.ready.popleft())
+    buf.consume(buf.ready.popleft(), "v1")
     assert buf.ledger == {"t1:0:1": 0, "t1:1:1": 0, "t1:2:1": 0}
+    assert buf.tasks == {"t1": "v1"}
     buf.pending.clear()
     assert buf.add(group[2], "redelivered") == "consumed"
     assert buf.counts["duplicates_skipped"] == 1
+
+
+def test_a_later_attempt_of_a_decided_task_is_skipped_not_trained_again():
+    import msgspec
+
+    buf = GroupBuffer()
+    first = synthetic_group("t3", [1.0, 0.0])
+    for i, s in enumerate(first):
+        buf.add(s, f"a{i}")
+    buf.consume(buf.ready.popleft(), "v4")
+    # the scheduler's lease ran out and attempt 2 of the same task finished later
+    retry = [msgspec.structs.replace(s, rollout=msgspec.structs.replace(
+        s.rollout, rollout_id=s.rollout.rollout_id.replace(":1", ":2")))
+        for s in first]
+    assert [buf.add(s, f"b{i}") for i, s in enumerate(retry)] == ["consumed", "consumed"]
+    assert not buf.ready and not buf.pending
+    assert buf.counts["decided_task_samples_skipped"] == 2
 
 
 def test_a_duplicate_sample_is_held_with_its_group_but_not_counted_twice():
@@ -287,3 +305,64 @@ def test_a_learner_killed_with_a_partial_group_loses_nothing_and_counts_nothing_
     assert state["step"] == 2
     assert state["ledger"] == {**{s.rollout.rollout_id: 0 for s in group_a},
                                **{s.rollout.rollout_id: 1 for s in group_b}}
+
+
+@pytest.mark.nats
+@pytest.mark.slow
+def test_the_learner_follows_a_rollback_and_drops_groups_of_the_rolled_back_policy(
+    creds, run_name, tiny_model_dir, tmp_path
+):
+    cfg = make_config(tiny_model_dir, tmp_path, groups_per_batch=1, keep_last=5)
+    group_a = synthetic_group("a", [1.0, 0.0, 0.0, 1.0], version=0)
+    group_b = synthetic_group("b", [0.0, 1.0, 1.0, 1.0], version=1)
+    from_bad = synthetic_group("bad", [0.0, 1.0, 0.0, 0.0], version=2)  # made by rolled-back v2
+    group_c = synthetic_group("c", [1.0, 1.0, 0.0, 0.0], version=1)
+    stats: list = []
+    root = Path(cfg.checkpoint_dir)
+
+    async def main():
+        async with open_bus(creds) as bus, trio.open_nursery() as nursery:
+            stream = await bus.ensure_run_stream(run_name)
+            await nursery.start(collect_stats, bus, run_name, stats)
+            await nursery.start(functools.partial(run_actor, Learner, creds=creds, run=run_name,
+                                                  config=cfg))
+            await publish(bus, run_name, group_a)
+            w1 = await wait_for_version(bus, stream, run_name, 1)
+            await publish(bus, run_name, group_b)
+            bad_v2 = await wait_for_version(bus, stream, run_name, 2)
+            bad_weights = {k: v.clone() for k, v in
+                           Trainer(cfg, bad_v2.path).model.state_dict().items()}
+            await bus.publish_durable(
+                subjects.weights(run_name),
+                m.Rollback(to_version=1, path=w1.path, reason="planted regression"),
+                msg_id="rollback:test")
+            with trio.fail_after(60):
+                while (root / "v2").exists():
+                    await trio.sleep(0.1)
+            await publish(bus, run_name, from_bad)
+            await publish(bus, run_name, group_c)
+            with trio.fail_after(120):
+                while len(stats) < 3:
+                    await trio.sleep(0.1)
+            last = await bus.last_message(stream, subjects.weights(run_name))
+            nursery.cancel_scope.cancel()
+            return w1, bad_weights, m.decode(last.data)
+
+    w1, bad_weights, w2 = trio.run(main)
+    assert [s.version for s in stats] == [1, 2, 2]
+    assert isinstance(w2, m.WeightsPublished) and w2.version == 2
+    figures = stats[-1].figures
+    assert figures["rollbacks"] == 1.0
+    assert figures["dropped_rolled_back_groups"] == 1.0
+    state = ckpt.load_trainer_state(w2.path)
+    assert state["step"] == 2  # one step past v1, not past the rolled-back v2
+    assert all(s["step"] == 2 for s in state["optimizer"]["state"].values())
+    ids = lambda g, v: {s.rollout.rollout_id: v for s in g}
+    # everything consumed stays consumed, the rolled-back lineage's work included
+    assert state["ledger"] == {**ids(group_a, 0), **ids(group_b, 1), **ids(from_bad, 2),
+                               **ids(group_c, 1)}
+    assert state["tasks"] == {"a": "v1", "b": "v2", "bad": "rolled_back", "c": "v2"}
+    assert len(state["rollbacks_applied"]) == 1
+    new_weights = Trainer(cfg, w2.path).model.state_dict()
+    assert any(not torch.equal(new_weights[k], bad_weights[k]) for k in bad_weights)
+    assert [v for v, _ in ckpt.list_checkpoints(root)] == [1, 2]
