@@ -9,10 +9,11 @@ batch's deliveries -> `TrainStats` on `rl.<run>.stats.learner`.
 Invariants:
   * A delivery is acked only after the checkpoint that records it in the ledger committed,
     or, for groups that are dropped (too stale) or skipped (no signal), once the decision is
-    made; such groups join the ledger saved with the next checkpoint. Re-deciding them after
-    a crash gives the same outcome, so nothing is ever trained on twice.
-  * On restart the learner loads the newest complete checkpoint; a redelivered rollout
-    already in the ledger is acked and skipped.
+    written to the decision journal (fsynced); such groups join the ledger saved with the
+    next checkpoint, which clears the journal. Nothing is ever trained on twice.
+  * On restart the learner loads the newest complete checkpoint and replays the journal; a
+    redelivered rollout already in the ledger, or of a task already decided, is acked and
+    skipped.
   * Version N is the policy after N optimizer steps since the first checkpointless start;
     every published version has a committed checkpoint.
   * Samples with outcome `infra_error` count toward a group's completion but are masked.
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -97,6 +99,9 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Deliveries of one rollout before the server gives up on it (crash loops)."""
     max_pending_samples: int = 256
     """Unacked rollouts held at most (the consumer's max_ack_pending)."""
+    incomplete_group_timeout_s: float = 1800.0
+    """A group still missing samples this long after its first one (e.g. its task was
+    abandoned by the scheduler) is dropped as "incomplete", so it holds no delivery forever."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -108,8 +113,10 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                      "clip_low", "clip_high"):
             if getattr(self, name) < 0:
                 raise ValueError(f"learner config: {name} must be >= 0, got {getattr(self, name)}")
-        if self.learning_rate <= 0 or self.temperature <= 0 or self.ack_wait_s <= 0:
-            raise ValueError("learner config: learning_rate, temperature and ack_wait_s must be > 0")
+        if (self.learning_rate <= 0 or self.temperature <= 0 or self.ack_wait_s <= 0
+                or self.incomplete_group_timeout_s <= 0):
+            raise ValueError("learner config: learning_rate, temperature, ack_wait_s and "
+                             "incomplete_group_timeout_s must be > 0")
         if self.group_size and self.groups_per_batch * self.group_size > self.max_pending_samples:
             raise ValueError(
                 f"learner config: a batch of {self.groups_per_batch} x {self.group_size} samples "
@@ -131,6 +138,7 @@ class Group:
     tickets: list[Any] = field(default_factory=list)
     rollout_ids: dict[str, int] = field(default_factory=dict)
     """Every rollout id seen for this group (duplicates of other attempts too) -> version."""
+    first_seen: float = field(default_factory=time.monotonic)
 
     @property
     def complete(self) -> bool:
@@ -195,6 +203,13 @@ class GroupBuffer:
             self.ready.append(group)
             return "completed"
         return "added"
+
+    def expire(self, older_than: float) -> list[Group]:
+        """Remove and return the pending groups first seen before `older_than` (monotonic)."""
+        old = [g for g in self.pending.values() if g.first_seen < older_than]
+        for g in old:
+            del self.pending[g.task_id]
+        return old
 
     def consume(self, group: Group, outcome: str) -> None:
         self.ledger.update(group.rollout_ids)
@@ -271,6 +286,42 @@ def prepare_samples(
     return out, figures
 
 
+class DecisionJournal:
+    """Groups dropped since the last checkpoint (task, reason, rollout ids), one JSON line
+    each, fsynced before their deliveries are acked: a drop is never known only in memory.
+    Cleared once a checkpoint holds them; replaying it twice changes nothing."""
+
+    NAME = "decisions.jsonl"
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def append(self, task_id: str, outcome: str, rollout_ids: dict[str, int]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        line = msgspec.json.encode([task_id, outcome, rollout_ids]) + b"\n"
+        with open(self.path, "ab") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def read(self) -> list[tuple[str, str, dict[str, int]]]:
+        try:
+            lines = self.path.read_bytes().splitlines()
+        except FileNotFoundError:
+            return []
+        out = []
+        for line in lines:
+            try:
+                task_id, outcome, ids = msgspec.json.decode(line)
+            except (msgspec.DecodeError, ValueError):  # a torn last line: never acked
+                continue
+            out.append((task_id, outcome, ids))
+        return out
+
+    def clear(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
 # ----------------------------------------------------------------------------- rollbacks
 
 
@@ -302,6 +353,7 @@ class Learner(Actor):
         self.root = Path(config.checkpoint_dir or paths.run_dir(ctx.run) / "checkpoints")
         self.trainer: Any = None
         self.buffer = GroupBuffer(group_size=config.group_size)
+        self.journal = DecisionJournal(self.root / DecisionJournal.NAME)
         self.version = 0
         self.step = 0
         self.counters: collections.Counter[str] = collections.Counter()
@@ -350,6 +402,9 @@ class Learner(Actor):
             self.buffer.tasks = dict(state.get("tasks", {}))
             self.counters.update({k: int(v) for k, v in state.get("counters", {}).items()})
             self.rollbacks_applied = list(state.get("rollbacks_applied", []))
+        for task_id, outcome, rollout_ids in self.journal.read():  # drops since that checkpoint
+            self.buffer.ledger.update(rollout_ids)
+            self.buffer.tasks[task_id] = outcome
         self.tokenizer_src = source
         self.trainer = await trio.to_thread.run_sync(
             lambda: Trainer(cfg, source, state, reference_dir=cfg.reference_model or cfg.model)
@@ -406,7 +461,9 @@ class Learner(Actor):
                     self.buffer.ready.extendleft(reversed(usable))
                     return None
                 if not self.buffer.ready:
-                    await self._ready.wait()
+                    await self._drop_incomplete()
+                    with trio.move_on_after(min(5.0, cfg.incomplete_group_timeout_s)):
+                        await self._ready.wait()
                     self._ready = trio.Event()
                     continue
                 group = self.buffer.ready.popleft()
@@ -427,10 +484,22 @@ class Learner(Actor):
                 else:
                     usable.append(group)
                     continue
-                # decided for good: in the next checkpoint's ledger
-                self.buffer.consume(group, reason)
-                await ack_all(group.tickets)
+                await self._drop(group, reason)
         return usable
+
+    async def _drop(self, group: Group, reason: str) -> None:
+        """Decided for good: journaled now (before the ack), in the next checkpoint later.
+        Only the main loop calls this: a checkpoint clears the journal it has absorbed."""
+        self.buffer.consume(group, reason)
+        await trio.to_thread.run_sync(self.journal.append, group.task_id, reason,
+                                      group.rollout_ids)
+        await ack_all(group.tickets)
+
+    async def _drop_incomplete(self) -> None:
+        cfg: LearnerConfig = self.config
+        for group in self.buffer.expire(time.monotonic() - cfg.incomplete_group_timeout_s):
+            self.counters["dropped_incomplete_groups"] += 1
+            await self._drop(group, "incomplete")
 
     async def _train_and_commit(self, batch: list[Group], wait_s: float) -> None:
         cfg: LearnerConfig = self.config
@@ -454,6 +523,7 @@ class Learner(Actor):
                 tokenizer_src=self.tokenizer_src, version=version, step=self.step,
                 trainer_state=state))
         self.version = version
+        await trio.to_thread.run_sync(self.journal.clear)  # all in the checkpoint now
         await self._publish_weights(version, path)
         await ack_all([t for g in batch for t in g.tickets])
         await trio.to_thread.run_sync(ckpt.prune_checkpoints, self.root, cfg.keep_last, (version,))

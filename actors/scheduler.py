@@ -97,6 +97,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """Versions a group may lag the policy; bounds how far issuance runs ahead."""
     lease_s: float = 300.0
     """A task whose group is not complete after this is reissued (attempt + 1)."""
+    stall_release_s: float = 120.0
+    """Nothing in flight, no budget left, and no new version for this long: the learner did
+    not get what the scheduler counted (e.g. groups it dropped), so one version's worth of
+    budget is released, loudly. 0 disables it."""
     max_attempts: int = 3
     """Attempts per task before it is abandoned (counted)."""
     tick_s: float = 0.5
@@ -120,6 +124,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             )
         if self.lease_s <= 0 or self.tick_s <= 0:
             raise ValueError("SchedulerConfig: lease_s and tick_s must be > 0")
+        if self.stall_release_s < 0:
+            raise ValueError("SchedulerConfig: stall_release_s must be >= 0 (0 disables it)")
         if any(w < 0 for w in self.domains.values()):
             raise ValueError(f"SchedulerConfig.domains: weights must be >= 0, got {self.domains}")
         if sum(self.replay_floors.values()) > 1.0:
@@ -156,6 +162,8 @@ class GroupTally(msgspec.Struct, kw_only=True):
     """sample indices whose verification failed for infrastructure reasons (no signal)."""
     tokens: int = 0
     first_seen: float = 0.0
+    oldest_version: int = -1
+    """The oldest policy version among its samples (-1: none yet)."""
 
 
 class DomainCounters(msgspec.Struct, kw_only=True):
@@ -165,6 +173,8 @@ class DomainCounters(msgspec.Struct, kw_only=True):
     groups: int = 0
     informative_groups: int = 0
     late_groups: int = 0
+    stale_groups: int = 0
+    """Informative groups that arrived too stale for the learner (not counted as progress)."""
     tokens: int = 0
     wasted_tokens: int = 0
     infra_samples: int = 0
@@ -192,6 +202,7 @@ class SchedulerState(msgspec.Struct, kw_only=True):
     rollbacks: int = 0
     abandoned: list[str] = []
     """Task ids given up after max_attempts (the newest 4096): their recorded reason."""
+    stall_releases: int = 0
 
 
 def save_state(path: Path, state: SchedulerState) -> None:
@@ -267,6 +278,7 @@ class Scheduler(Actor):
             self._join(name)
         self._dirty = True
         self._last_persist = 0.0
+        self._stalled_since = time.monotonic()
         self._wakeup = trio.Event()
         latest = await self.ctx.bus.last_message(self.ctx.stream, subjects.weights(self.ctx.run))
         if latest is not None:
@@ -332,6 +344,8 @@ class Scheduler(Actor):
         else:
             tally.rewards[index] = msg.reward
         tally.tokens += len(r.output_ids)
+        if tally.oldest_version < 0 or r.policy_version < tally.oldest_version:
+            tally.oldest_version = r.policy_version
         self._dirty = True
         if len(tally.rewards) + len(tally.infra) >= tally.group_size:
             self._complete(task_id, key, tally)
@@ -368,9 +382,13 @@ class Scheduler(Actor):
                     lease.base_id, TaskRecord())
                 rec.passes += sum(rewards)
                 rec.fails += len(rewards) - sum(rewards)
-        # Only groups with signal move the learner towards its next version (it skips the
-        # rest); counting the others here would stall issuing while the learner waits.
-        if informative:
+        # Only groups the learner will train on move it towards its next version: it skips
+        # those without signal and drops those too stale; counting them would stall issuing
+        # while the learner waits.
+        too_stale = 0 <= tally.oldest_version < st.version - self.config.max_staleness
+        if informative and too_stale:
+            c.stale_groups += 1
+        elif informative:
             st.done_since_version += 1
         self._wakeup.set()
 
@@ -413,7 +431,15 @@ class Scheduler(Actor):
     async def main(self) -> None:
         while True:
             self._reload_mix()
-            for task in [*self._expired_leases(time.time()), *self._plan()]:
+            self._release_if_stalled(time.monotonic())
+            tasks = [*self._expired_leases(time.time()), *self._plan()]
+            if tasks:
+                # Write-ahead: the leases (and the issue counter that names tasks) are on
+                # disk before any task is out, so a restarted scheduler never reuses an id
+                # (the server's duplicate window would swallow the new task).
+                self._dirty = True
+                self._persist_if_due(force=True)
+            for task in tasks:
                 await self.ctx.publish_durable(
                     subjects.task(self.ctx.run, task.domain), task,
                     msg_id=f"task:{task.task_id}:{task.attempt}",
@@ -527,6 +553,25 @@ class Scheduler(Actor):
         say(f"domain {name} tier {tier}: 64 draws all in the held-out set; skipping it")
         return None
 
+    def _release_if_stalled(self, now: float) -> None:
+        """See `stall_release_s`: the learner's version is the only other thing that frees
+        budget, so a miscount must not become a deadlock."""
+        cfg: SchedulerConfig = self.config
+        st = self.state
+        if not cfg.stall_release_s or st.leases or self.budget() > 0:
+            self._stalled_since = now
+            return
+        if now - self._stalled_since < cfg.stall_release_s:
+            return
+        per_version = st.groups_per_version or cfg.groups_per_version
+        say(f"no new version for {now - self._stalled_since:.0f} s with nothing in flight and "
+            f"{st.done_since_version} groups counted since v{st.version}: releasing "
+            f"{per_version} groups of budget")
+        st.done_since_version = max(0, st.done_since_version - per_version)
+        st.stall_releases += 1
+        self._stalled_since = now
+        self._dirty = True
+
     def _expired_leases(self, now: float) -> list[Task]:
         """Reissue (attempt + 1) the tasks whose lease ran out; abandon after max_attempts."""
         cfg: SchedulerConfig = self.config
@@ -595,6 +640,7 @@ class Scheduler(Actor):
             "issue_budget": float(self.budget()),
             "done_since_version": float(st.done_since_version),
             "rollbacks": float(st.rollbacks),
+            "stall_releases": float(st.stall_releases),
         }
         probs = self.probabilities(set(self.curricula))
         for d, cur in self.curricula.items():

@@ -11,7 +11,8 @@ from reinforge.core.actor import Actor, Input
 
 
 def scored_group(task: m.Task, rewards: list[float], *, tokens: int = 10,
-                 attempt: int | None = None, infra: tuple[int, ...] = ()) -> list[m.ScoredRollout]:
+                 attempt: int | None = None, infra: tuple[int, ...] = (),
+                 policy_version: int = 0) -> list[m.ScoredRollout]:
     """What verifiers would publish for one group of `task` (one reward per sample)."""
     attempt = task.attempt if attempt is None else attempt
     out = []
@@ -20,7 +21,7 @@ def scored_group(task: m.Task, rewards: list[float], *, tokens: int = 10,
             rollout_id=f"{task.task_id}:{i}:{attempt}", task_id=task.task_id, sample_index=i,
             domain=task.domain, tier=task.tier, prompt=task.prompt, completion="...",
             output_ids=list(range(tokens)), logprobs=[-1.0] * tokens, spec=task.spec,
-            group_size=task.group_size, purpose=task.purpose,
+            group_size=task.group_size, purpose=task.purpose, policy_version=policy_version,
         )
         bad = i in infra
         out.append(m.ScoredRollout(

@@ -366,3 +366,75 @@ def test_the_learner_follows_a_rollback_and_drops_groups_of_the_rolled_back_poli
     new_weights = Trainer(cfg, w2.path).model.state_dict()
     assert any(not torch.equal(new_weights[k], bad_weights[k]) for k in bad_weights)
     assert [v for v, _ in ckpt.list_checkpoints(root)] == [1, 2]
+
+
+@pytest.mark.nats
+@pytest.mark.slow
+def test_a_dropped_group_is_journaled_before_its_ack_and_reaches_the_next_checkpoint(
+    creds, run_name, tiny_model_dir, tmp_path
+):
+    from reinforge.actors.learner import DecisionJournal
+
+    cfg = make_config(tiny_model_dir, tmp_path, groups_per_batch=1)
+    silent = synthetic_group("silent", [0.0, 0.0, 0.0, 0.0], version=0)  # no signal
+    useful = synthetic_group("useful", [1.0, 0.0, 1.0, 0.0], version=0)
+    journal = DecisionJournal(Path(cfg.checkpoint_dir) / DecisionJournal.NAME)
+
+    async def main():
+        async with open_bus(creds) as bus:
+            stream = await bus.ensure_run_stream(run_name)
+            async with trio.open_nursery() as nursery:  # the first learner: drops, then dies
+                await nursery.start(functools.partial(run_actor, Learner, creds=creds,
+                                                      run=run_name, config=cfg))
+                await publish(bus, run_name, silent)
+                with trio.fail_after(60):
+                    while not journal.read():
+                        await trio.sleep(0.1)
+                nursery.cancel_scope.cancel()
+            assert ckpt.latest_checkpoint(cfg.checkpoint_dir) is None  # only the journal has it
+            async with trio.open_nursery() as nursery:  # a new learner, then a useful group
+                await nursery.start(functools.partial(run_actor, Learner, creds=creds,
+                                                      run=run_name, config=cfg))
+                await publish(bus, run_name, useful)
+                w = await wait_for_version(bus, stream, run_name, 1)
+                nursery.cancel_scope.cancel()
+            return w
+
+    w = trio.run(main)
+    state = ckpt.load_trainer_state(w.path)
+    assert state["tasks"] == {"silent": "no_signal", "useful": "v1"}
+    assert set(state["ledger"]) == {s.rollout.rollout_id for s in silent + useful}
+    assert journal.read() == []  # cleared once the checkpoint holds it
+
+
+@pytest.mark.nats
+def test_a_group_that_never_completes_is_dropped_as_incomplete_and_its_deliveries_acked(
+    creds, run_name, tiny_model_dir, tmp_path
+):
+    from reinforge.actors.learner import DecisionJournal
+
+    cfg = make_config(tiny_model_dir, tmp_path, groups_per_batch=1,
+                      incomplete_group_timeout_s=1.0)
+    half = synthetic_group("half", [1.0, 0.0, 1.0, 0.0], version=0)[:2]  # 2 of 4 ever come
+    journal = DecisionJournal(Path(cfg.checkpoint_dir) / DecisionJournal.NAME)
+
+    async def main():
+        async with open_bus(creds) as bus, trio.open_nursery() as nursery:
+            stream = await bus.ensure_run_stream(run_name)
+            ctx = await nursery.start(functools.partial(run_actor, Learner, creds=creds,
+                                                        run=run_name, config=cfg))
+            await publish(bus, run_name, half)
+            with trio.fail_after(30):
+                while not journal.read():
+                    await trio.sleep(0.2)
+            durable = subjects.durable_name(run_name, "learner", subjects.scored(run_name, "*"))
+            with trio.fail_after(10):
+                while (await bus.consumer_info(stream, durable)).num_ack_pending:
+                    await trio.sleep(0.2)
+            nursery.cancel_scope.cancel()
+            return ctx
+
+    trio.run(main)
+    [(task_id, outcome, ids)] = journal.read()
+    assert (task_id, outcome) == ("half", "incomplete")
+    assert set(ids) == {s.rollout.rollout_id for s in half}

@@ -295,3 +295,62 @@ def test_recurring_tasks_from_a_file_come_back_under_fresh_ids_but_never_held_ou
     assert set(bases) <= {"q0", "q1", "q2"} and len(bases) >= 2
     assert len({t.task_id for t in tasks}) == len(tasks)  # each issue has its own id
     assert all("squared" in t.prompt for t in tasks)
+
+
+def test_a_stale_group_is_not_progress_and_a_stall_releases_budget_loudly(
+    creds, run_name, tmp_path
+):
+    # One group per version, none ahead: after one useful group the scheduler waits for v6.
+    cfg = config(tmp_path, domains={"math": 1.0}, group_size=2, max_in_flight=1,
+                 groups_per_version=1, max_staleness=0, stall_release_s=1.0)
+    state_path = tmp_path / "state.json"
+
+    async def main():
+        async with open_bus(creds) as bus, scheduler(creds, run_name, cfg):
+            await bus.ensure_run_stream(run_name)
+            await bus.publish_durable(subjects.weights(run_name),
+                                      m.WeightsPublished(version=5, path="/w5"), msg_id="w5")
+            await wait_state(state_path, lambda s: s.version == 5)
+            watcher = TaskWatcher(bus, run_name)
+            tasks = await watcher.until(lambda ts: len(ts) >= 1)
+            # made by v4: the learner (max_staleness 0) will drop it, so it is no progress
+            await publish_scored(bus, run_name, scored_group(tasks[0], [1.0, 0.0],
+                                                             policy_version=4))
+            st = await wait_state(state_path, lambda s: s.counters["math"].stale_groups == 1)
+            assert st.done_since_version == 0
+            tasks = await watcher.until(lambda ts: len(ts) >= 2)  # issued at once, no stall
+            await publish_scored(bus, run_name, scored_group(tasks[1], [1.0, 0.0],
+                                                             policy_version=5))
+            st = await wait_state(state_path, lambda s: s.done_since_version == 1)
+            assert st.stall_releases == 0
+            # no v6 comes: after stall_release_s the budget is released and a task issued
+            tasks = await watcher.until(lambda ts: len(ts) >= 3, timeout_s=20)
+            st = await wait_state(state_path, lambda s: s.stall_releases >= 1)
+            assert st.version == 5 and tasks[2].task_id not in {t.task_id for t in tasks[:2]}
+
+    trio.run(main)
+
+
+def test_a_scheduler_killed_right_after_issuing_never_reuses_a_task_id(creds, run_name, tmp_path):
+    # Periodic persistence is off after the first write: only the write-ahead before each
+    # publish can save the issue counter that names tasks.
+    cfg = config(tmp_path, domains={"math": 1.0}, group_size=2, max_in_flight=3,
+                 persist_every_s=3600.0)
+
+    async def main():
+        async with open_bus(creds) as bus:
+            watcher = TaskWatcher(bus, run_name)
+
+            async def answer(task):  # complete every group so new tasks keep coming
+                await publish_scored(bus, run_name, scored_group(task, [1.0, 0.0]))
+
+            async with scheduler(creds, run_name, cfg, graceful=False):
+                await watcher.until(lambda ts: len(ts) >= 6, on_task=answer)
+            async with scheduler(creds, run_name, cfg, graceful=False):
+                # a reused id would be swallowed by the duplicate window: nothing would come
+                await watcher.until(lambda ts: len(ts) >= 12, timeout_s=20, on_task=answer)
+            return watcher.tasks
+
+    tasks = trio.run(main)
+    ids = [(t.task_id, t.attempt) for t in tasks]
+    assert len(ids) == len(set(ids))

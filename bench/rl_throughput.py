@@ -1,0 +1,141 @@
+"""RL throughput: the same short training, synchronous against asynchronous, one process run.
+
+Both modes start the demo's cluster with `reinforge up` (scheduler, sampler with its
+embedded rollout server, verifier with Podman sandboxes, learner, monitor) from the same SFT
+checkpoint, on the same domains, and differ in one setting:
+
+  sync   max_staleness = 0: the scheduler issues only the groups of the next step and waits
+         for the new version; generation, verification and training take turns.
+  async  max_staleness = 2 (the demo's setting): samplers keep generating for the next
+         versions while the learner trains.
+
+After the first policy version (start-up and warm-up excluded), each mode runs for
+`--window` seconds. Figures, from the monitor's metrics file:
+  samples_per_s   samples that entered a learner update, per second of the window
+  learner_idle    1 - (learner compute + checkpoint time) / window
+Modes alternate over `--rounds` so machine noise falls on both; medians are reported.
+Last line: one JSON object with sync_samples_per_s, async_samples_per_s, speedup,
+sync_learner_idle, async_learner_idle.
+
+    python bench/rl_throughput.py --json [--window 120] [--rounds 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from reinforge.actors import demo
+from reinforge.core import paths
+
+
+def read_records(metrics: Path) -> list[dict]:
+    if not metrics.exists():
+        return []
+    out = []
+    for line in metrics.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # the line being written
+            continue
+    return out
+
+
+def window_figures(records: list[dict], t0: float, window_s: float) -> dict[str, float]:
+    train = [r for r in records if r.get("kind") == "train" and t0 < r["t"] <= t0 + window_s]
+    scored = [r for r in records if r.get("kind") == "scored" and t0 < r["t"] <= t0 + window_s]
+    trained = sum(r["figures"].get("samples", 0.0) for r in train)
+    busy = sum(r["figures"].get("compute_s", 0.0) + r["figures"].get("checkpoint_s", 0.0)
+               for r in train)
+    return {
+        "samples_per_s": trained / window_s,
+        "generated_per_s": len(scored) / window_s,
+        "steps": float(len(train)),
+        "learner_idle": max(0.0, 1.0 - busy / window_s),
+    }
+
+
+def run_mode(mode: str, sft: Path, args: argparse.Namespace) -> dict[str, float]:
+    run = f"bench-rl-{mode}"
+    run_dir = paths.run_dir(run)
+    demo.reinforge("down", "--run", run, capture=True)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    domains = [d for d in args.domains.split(",") if d]
+    cfg_args = argparse.Namespace(group_size=args.group_size, groups_per_batch=args.groups_per_batch,
+                                  learning_rate=1e-4)
+    config = run_dir / "bench.toml"
+    config.write_text(demo.cluster_config(run, run_dir, sft, domains, cfg_args,
+                                          max_staleness=0 if mode == "sync" else 2))
+    up = demo.reinforge("up", str(config), "--run", run, "--detach", capture=True)
+    if up.returncode != 0:
+        raise SystemExit(f"reinforge up failed ({mode}):\n{up.stdout}\n{up.stderr[-3000:]}")
+    metrics = run_dir / "metrics" / "metrics.jsonl"
+    try:
+        deadline = time.time() + args.warmup_timeout
+        first = None
+        while first is None:
+            if time.time() > deadline:
+                raise SystemExit(f"{mode}: no policy version within {args.warmup_timeout} s")
+            time.sleep(1.0)
+            first = next((r for r in read_records(metrics) if r.get("kind") == "train"), None)
+        demo.say(f"{mode}: first version at {first['t'] - deadline + args.warmup_timeout:.0f} s; "
+                 f"measuring {args.window:.0f} s")
+        time.sleep(max(0.0, first["t"] + args.window + 2.0 - time.time()))
+        figures = window_figures(read_records(metrics), first["t"], args.window)
+    finally:
+        demo.reinforge("down", "--run", run, capture=True)
+    demo.say(f"{mode}: {json.dumps({k: round(v, 3) for k, v in figures.items()})}")
+    return figures
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--window", type=float, default=120.0, help="seconds measured per mode")
+    p.add_argument("--rounds", type=int, default=1, help="sync+async pairs (medians reported)")
+    p.add_argument("--domains", default=demo.DEFAULT_DOMAINS)
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--groups-per-batch", type=int, default=2)
+    p.add_argument("--sft-steps", type=int, default=150)
+    p.add_argument("--warmup-timeout", type=float, default=600.0)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+
+    domains = [d for d in args.domains.split(",") if d]
+    _, sft = demo.ensure_models(paths.home(), domains, args.sft_steps)
+    results: dict[str, list[dict[str, float]]] = {"sync": [], "async": []}
+    for _ in range(args.rounds):
+        for mode in ("sync", "async"):
+            results[mode].append(run_mode(mode, sft, args))
+
+    def median(mode: str, key: str) -> float:
+        return statistics.median(r[key] for r in results[mode])
+
+    sync, asyn = median("sync", "samples_per_s"), median("async", "samples_per_s")
+    out = {
+        "sync_samples_per_s": round(sync, 3),
+        "async_samples_per_s": round(asyn, 3),
+        "speedup": round(asyn / sync, 3) if sync > 0 else None,
+        "sync_learner_idle": round(median("sync", "learner_idle"), 3),
+        "async_learner_idle": round(median("async", "learner_idle"), 3),
+        "sync_generated_per_s": round(median("sync", "generated_per_s"), 3),
+        "async_generated_per_s": round(median("async", "generated_per_s"), 3),
+        "sync_steps": median("sync", "steps"),
+        "async_steps": median("async", "steps"),
+        "window_s": args.window,
+        "rounds": args.rounds,
+    }
+    if not args.json:
+        for k, v in out.items():
+            print(f"{k:24s} {v}", file=sys.stderr)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
