@@ -203,7 +203,10 @@ class ActorContext:
             stream_seq=stream_seq,
             deliveries=deliveries,
         )
-        key = f"{stream_seq}" if stream_seq else uuid.uuid5(uuid.NAMESPACE_OID, repr(data)).hex
+        # A stored message is dead-lettered once per actor type, however often it comes
+        # back; a core NATS message is never redelivered, so each receipt is its own entry
+        # (two identical bad messages are two letters, not one).
+        key = f"{stream_seq}" if stream_seq else f"{self.actor_id}:{uuid.uuid4().hex}"
         await self.bus.publish_durable(
             subjects.dlq(self.run), letter, msg_id=f"dlq:{self.actor_type}:{subject}:{key}",
             headers=self._origin,

@@ -5,10 +5,7 @@ from __future__ import annotations
 import functools
 import random
 import shutil
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -43,31 +40,6 @@ def perturbed_copy(model_dir: Path, out: Path, seed: int) -> Path:
     }
     save_file(noisy, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
-
-
-@pytest.fixture(scope="module")
-def server_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """A real `reinforge serve` process, started the way the sampler starts it."""
-    where = tmp_path_factory.mktemp("srv")
-    cfg = SamplerConfig(model_path=str(tiny_model_dir), initial_version=0,
-                        server_args=["--max-total-tokens", "8192"])
-    argv = server_command(cfg, str(where / "port"))
-    log = open(where / "server.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while not (where / "port").exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"server did not start: {(where / 'server.log').read_text()}")
-        time.sleep(0.1)
-    yield f"http://127.0.0.1:{(where / 'port').read_text()}"
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log.close()
 
 
 # ----------------------------------------------------------------------------- pure parts
