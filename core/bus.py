@@ -689,9 +689,15 @@ async def _open_bus(
         # nats-py retries a failing first connect forever when reconnects are allowed;
         # bound it, and report the server's own reason (e.g. an authorization violation).
         nc = None
+        tls = None
+        if creds.ca_file:  # a private cluster CA (natscluster's client_tls)
+            import ssl
+
+            tls = ssl.create_default_context(cafile=creds.ca_file)
         with trio.move_on_after(connect_timeout_s):
             nc = await aio_as_trio(nats.connect, loop=loop)(
                 servers=creds.auth_urls(),
+                tls=tls,
                 # In order: a host's credentials list its nearest cluster node first.
                 dont_randomize=True,
                 name=name,

@@ -10,9 +10,9 @@ A node may live inside a network namespace (`netns="..."`): it is then started w
 `ip netns exec NS nats-server -c CONF` and listens on the namespace's own address, as a
 separate machine would. Without a namespace every node listens on 127.0.0.1 with its own
 ports. Routes can also run over mutual TLS (`route_tls=True`: a CA and one node
-certificate are generated with `openssl` under data_dir/tls). What the cluster does NOT set
-up: the namespaces themselves (scripts/netns.sh does that for tests), and TLS for clients
-(they use `nats://`; see docs/multihost.md).
+certificate are generated with `openssl` under data_dir/tls), and so can clients
+(`client_tls=True`: `tls://` URLs, the credentials carry the CA to trust). What the cluster
+does NOT set up: the namespaces themselves (scripts/netns.sh does that for tests).
 
 JetStream: file storage, `sync_interval: always` (notes/reliability.md). A run's stream
 that must survive losing a node needs three replicas: create it with
@@ -59,6 +59,9 @@ class ClusterNode:
     def client_url(self) -> str:
         return f"nats://{self.host}:{self.client_port}"
 
+    def url(self, tls: bool) -> str:
+        return f"{'tls' if tls else 'nats'}://{self.host}:{self.client_port}"
+
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -86,6 +89,8 @@ class NatsCluster:
     max_payload: str = "8MB"
     route_tls: bool = False
     """Routes over mutual TLS too (a generated CA and node certificate under data_dir/tls)."""
+    client_tls: bool = False
+    """Client connections over TLS (`tls://` URLs; the credentials name the CA to trust)."""
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir)
@@ -136,12 +141,14 @@ class NatsCluster:
         """Credentials naming every node; the `prefer`red node first (e.g. the local one)."""
         order = sorted(self.nodes, key=lambda n: n.name != prefer) if prefer else self.nodes
         first, rest = order[0], order[1:]
+        tls = self.client_tls
         return NatsCredentials(
-            url=first.client_url,
+            url=first.url(tls),
             user=self.user,
             password=self.password,
             monitor_url=f"http://127.0.0.1:{first.monitor_port}",
-            extra_urls=[n.client_url for n in rest],
+            extra_urls=[n.url(tls) for n in rest],
+            ca_file=str(self._tls_files()["ca"]) if tls else "",
         )
 
     # -- configuration ------------------------------------------------------------------
@@ -178,6 +185,7 @@ class NatsCluster:
             "authorization {\n"
             f"  users = [ {{user: {q(self.user)}, password: {q(self.password)}}} ]\n"
             "}\n"
+            f"{self._client_tls_block()}"
             "cluster {\n"
             f"  name: {q(self.cluster_name)}\n"
             f"  host: {q(node.host)}\n"
@@ -194,10 +202,28 @@ class NatsCluster:
             "}\n"
         )
 
+    def _tls_files(self) -> dict[str, Path]:
+        return make_tls_files(self.data_dir / "tls", [n.host for n in self.nodes])
+
+    def _client_tls_block(self) -> str:
+        """Clients must speak TLS (the server's certificate; clients prove themselves with
+        the run's password, not a certificate)."""
+        if not self.client_tls:
+            return ""
+        files = self._tls_files()
+        q = json.dumps
+        return (
+            "tls {\n"
+            f"  cert_file: {q(str(files['cert']))}\n"
+            f"  key_file: {q(str(files['key']))}\n"
+            "  timeout: 2\n"
+            "}\n"
+        )
+
     def _route_tls_block(self) -> str:
         if not self.route_tls:
             return ""
-        files = make_tls_files(self.data_dir / "tls", [n.host for n in self.nodes])
+        files = self._tls_files()
         q = json.dumps
         return (
             "  tls {\n"

@@ -37,6 +37,8 @@ class NatsCredentials(msgspec.Struct, frozen=True, kw_only=True):
     monitor_url: str = ""
     extra_urls: list[str] = []
     """More servers of the same cluster (same credentials), tried when `url` is unreachable."""
+    ca_file: str = ""
+    """For `tls://` URLs: the CA that signed the servers' certificate (else the system's)."""
 
     def with_auth_url(self, url: str = "") -> str:
         url = url or self.url

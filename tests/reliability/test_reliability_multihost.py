@@ -110,7 +110,7 @@ def test_cutting_one_host_off_and_back_keeps_the_run_going_without_loss_or_dupli
     run = "mh" + netns_lab.prefix[2:]
     hosts = [(netns_lab.host(i + 1), addr) for i, addr in enumerate(netns_lab.addresses)]
     cluster = NatsCluster.in_namespaces(tmp_path / "nats", hosts, cluster_name=run,
-                                        route_tls=True)
+                                        route_tls=True, client_tls=True)
     procs = Procs(tmp_path)
     creds = {}
     for i, node in enumerate(cluster.nodes, start=1):
@@ -347,5 +347,42 @@ def test_routes_over_mutual_tls_form_the_cluster_and_refuse_a_plain_text_peer(tm
         finally:
             rogue.kill()
             rogue.wait(timeout=10)
+    finally:
+        c.stop(kill=True)
+
+
+def test_clients_over_tls_trust_the_cluster_ca_and_a_plain_text_client_is_refused(tmp_path):
+    import socket
+
+    import msgspec
+
+    from reinforge.core.bus import BusError
+
+    find_nats_server()
+    c = NatsCluster.on_loopback(tmp_path / "nats", 2, cluster_name="rf-ctls", route_tls=True,
+                                client_tls=True)
+    run = "ctls"
+
+    async def main(creds):
+        async with open_bus(creds) as bus:  # encrypted, verified against the cluster's CA
+            stream = await bus.ensure_run_stream(run)
+            await bus.publish_durable(subjects.echo(run, "x"), m.Echo(seq=7), msg_id="e7")
+            last = await bus.last_message(stream, subjects.echo(run, "x"))
+            assert m.decode(last.data).seq == 7
+        untrusted = msgspec.structs.replace(creds, extra_urls=[], ca_file="")
+        with pytest.raises(BusError, match="CERTIFICATE_VERIFY_FAILED"):  # not the system's CA
+            async with open_bus(untrusted, connect_timeout_s=3):
+                pass
+
+    c.start(timeout_s=30)
+    try:
+        creds = c.credentials(prefer="n1")
+        assert creds.url.startswith("tls://") and Path(creds.ca_file).is_file()
+        # the server demands TLS of every client before anything else (no plain-text session)
+        n1 = c.node("n1")
+        with socket.create_connection((n1.host, n1.client_port), timeout=5) as sock:
+            info = json.loads(sock.recv(4096).decode().removeprefix("INFO ").strip())
+        assert info["tls_required"] is True
+        trio.run(main, creds)
     finally:
         c.stop(kill=True)
