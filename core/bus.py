@@ -350,8 +350,26 @@ class Bus:
                     dataclasses.replace(config, num_replicas=max(have, replicas))
                 )
 
-        await self.aio(ensure)()
+        await self.js_call(ensure, what=f"creating stream {name}")
         return name
+
+    async def js_call(self, call: Callable[[], Awaitable[Any]], *, what: str,
+                      deadline_s: float = 60.0) -> Any:
+        """Run a JetStream API call, retrying while the cluster cannot answer (a leader
+        election, a node cut off, a busy server): those are waits, not failures. Past
+        `deadline_s` the last error is raised, naming `what`."""
+        delay, give_up = 0.25, trio.current_time() + deadline_s
+        while True:
+            try:
+                return await self.aio(call)()
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError,
+                    nats.js.errors.ServiceUnavailableError) as exc:
+                if trio.current_time() + delay > give_up:
+                    raise BusError(f"{what}: JetStream did not answer within {deadline_s:g} s "
+                                   f"({type(exc).__name__})") from exc
+                self.count("js_api_retries")
+                await trio.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     async def last_message(self, stream: str, subject: str) -> Delivery | None:
         """The newest stored message on `subject` (e.g. the latest weights), or None."""
@@ -398,8 +416,10 @@ class Bus:
             filter_subject=filter_subject,
             deliver_policy=js_api.DeliverPolicy.NEW if deliver_new else js_api.DeliverPolicy.ALL,
         )
-        psub = await self.aio(self._js.pull_subscribe)(
-            filter_subject, durable=durable, stream=stream, config=config
+        psub = await self.js_call(
+            lambda: self._js.pull_subscribe(filter_subject, durable=durable, stream=stream,
+                                            config=config),
+            what=f"consumer {durable} on {stream}",
         )
         try:
             yield PullConsumer(self, psub)

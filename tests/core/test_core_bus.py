@@ -144,6 +144,28 @@ def test_a_nats_server_restart_mid_stream_loses_no_jetstream_message(tmp_path, r
         trio.run(main)
 
 
+@pytest.mark.slow
+def test_a_consumer_asked_for_while_the_server_is_down_is_made_once_it_is_back(tmp_path,
+                                                                                run_name):
+    # Down longer than nats-py's 5 s JetStream API timeout: the call must wait, not fail.
+    with EmbeddedNats(data_dir=tmp_path / "nats") as server:
+
+        async def main():
+            async with open_bus(server.credentials) as bus:
+                stream = await bus.ensure_run_stream(run_name)
+                server.stop(kill=True)
+                threading.Timer(7.0, server.start).start()
+                subj = subjects.echo(run_name, "late")
+                async with bus.pull_consumer(stream=stream, durable="late",
+                                             filter_subject=subj) as c:
+                    await bus.publish_durable(subj, m.Echo(seq=1), "late-1")
+                    got = await c.fetch(1, timeout_s=5)
+                    assert [m.decode(d.data).seq for d in got] == [1]
+                assert bus.statistics().reconnects >= 1
+
+        trio.run(main)
+
+
 def test_the_last_stored_message_on_a_subject_can_be_read_back(creds, run_name):
     async def main():
         async with open_bus(creds) as bus:
