@@ -170,8 +170,8 @@ class GroupBuffer:
         """Consumed rollout_id -> policy_version (saved in every checkpoint)."""
         self.tasks: dict[str, str] = dict(tasks or {})
         """Decided task_id -> "v<N>" (trained in the update that made version N) or the reason
-        it was dropped ("stale", "no_signal", "rolled_back"); saved in every checkpoint. A
-        task is decided once: rollouts of a later attempt of it are acked and skipped."""
+        it was dropped ("stale", "no_signal", "rolled_back", "incomplete"); saved in every
+        checkpoint. A task is decided once: rollouts of a later attempt of it are skipped."""
         self.pending: dict[str, Group] = {}
         self.ready: collections.deque[Group] = collections.deque()
         self.counts: collections.Counter[str] = collections.Counter()
@@ -561,6 +561,9 @@ class Learner(Actor):
         with self.ctx.waiting(f"rolling back to v{msg.to_version}", deadline_s=300):
             state = await trio.to_thread.run_sync(ckpt.load_trainer_state, source)
             await trio.to_thread.run_sync(self.trainer.restore, source, state)
+            # What the deleted checkpoints recorded as consumed stays consumed: journal it
+            # first, or a crash before the next checkpoint would forget it.
+            await trio.to_thread.run_sync(self._journal_beyond, state)
             dropped = await trio.to_thread.run_sync(
                 ckpt.delete_newer_checkpoints, self.root, msg.to_version)
         self.rollbacks_applied.append(rollback_key(msg))
@@ -570,6 +573,17 @@ class Learner(Actor):
         say(f"learner: rolled back v{rolled_back_from} -> v{msg.to_version} ({msg.reason}); "
             f"deleted checkpoints {dropped}")
         await ticket.ack()
+
+    def _journal_beyond(self, state: dict[str, Any]) -> None:
+        """Journal the decisions this learner holds that checkpoint `state` lacks."""
+        known = state.get("tasks", {})
+        ids_by_task: dict[str, dict[str, int]] = collections.defaultdict(dict)
+        for rollout_id, version in self.buffer.ledger.items():
+            if rollout_id not in state["ledger"]:
+                ids_by_task[rollout_id.rsplit(":", 2)[0]][rollout_id] = version
+        for task_id, outcome in self.buffer.tasks.items():
+            if task_id not in known:
+                self.journal.append(task_id, outcome, ids_by_task.get(task_id, {}))
 
     async def _publish_weights(self, version: int, path: Path) -> None:
         await self.ctx.publish_durable(

@@ -10,7 +10,13 @@ import trio
 from learner_fixtures import generate_group, synthetic_group
 from reinforge.actors import checkpoint as ckpt
 from reinforge.actors.grpo import AdvantageNorm
-from reinforge.actors.learner import GroupBuffer, Learner, LearnerConfig, prepare_samples
+from reinforge.actors.learner import (
+    DecisionJournal,
+    GroupBuffer,
+    Learner,
+    LearnerConfig,
+    prepare_samples,
+)
 from reinforge.actors.trainer import Trainer, sequence_logprobs
 from reinforge.core import messages as m
 from reinforge.core import subjects
@@ -362,6 +368,7 @@ def test_the_learner_follows_a_rollback_and_drops_groups_of_the_rolled_back_poli
     assert state["ledger"] == {**ids(group_a, 0), **ids(group_b, 1), **ids(from_bad, 2),
                                **ids(group_c, 1)}
     assert state["tasks"] == {"a": "v1", "b": "v2", "bad": "rolled_back", "c": "v2"}
+    assert DecisionJournal(root / DecisionJournal.NAME).read() == []  # absorbed by the new v2
     assert len(state["rollbacks_applied"]) == 1
     new_weights = Trainer(cfg, w2.path).model.state_dict()
     assert any(not torch.equal(new_weights[k], bad_weights[k]) for k in bad_weights)
@@ -373,8 +380,6 @@ def test_the_learner_follows_a_rollback_and_drops_groups_of_the_rolled_back_poli
 def test_a_dropped_group_is_journaled_before_its_ack_and_reaches_the_next_checkpoint(
     creds, run_name, tiny_model_dir, tmp_path
 ):
-    from reinforge.actors.learner import DecisionJournal
-
     cfg = make_config(tiny_model_dir, tmp_path, groups_per_batch=1)
     silent = synthetic_group("silent", [0.0, 0.0, 0.0, 0.0], version=0)  # no signal
     useful = synthetic_group("useful", [1.0, 0.0, 1.0, 0.0], version=0)
@@ -411,8 +416,6 @@ def test_a_dropped_group_is_journaled_before_its_ack_and_reaches_the_next_checkp
 def test_a_group_that_never_completes_is_dropped_as_incomplete_and_its_deliveries_acked(
     creds, run_name, tiny_model_dir, tmp_path
 ):
-    from reinforge.actors.learner import DecisionJournal
-
     cfg = make_config(tiny_model_dir, tmp_path, groups_per_batch=1,
                       incomplete_group_timeout_s=1.0)
     half = synthetic_group("half", [1.0, 0.0, 1.0, 0.0], version=0)[:2]  # 2 of 4 ever come
