@@ -201,7 +201,8 @@ class SchedulerState(msgspec.Struct, kw_only=True):
     eval_pass_at_1: dict[str, float] = {}
     rollbacks: int = 0
     abandoned: list[str] = []
-    """Task ids given up after max_attempts (the newest 4096): their recorded reason."""
+    """Task ids given up after max_attempts (the newest 4096): the record an accounting
+    check (bench/chaos.py) reads as their reason for never reaching the learner."""
     stall_releases: int = 0
 
 
