@@ -57,6 +57,7 @@ from reinforge.core.messages import (
     ScoredRollout,
     TrainStats,
     WeightsPublished,
+    split_rollout_id,
 )
 
 
@@ -580,7 +581,7 @@ class Learner(Actor):
         ids_by_task: dict[str, dict[str, int]] = collections.defaultdict(dict)
         for rollout_id, version in self.buffer.ledger.items():
             if rollout_id not in state["ledger"]:
-                ids_by_task[rollout_id.rsplit(":", 2)[0]][rollout_id] = version
+                ids_by_task[split_rollout_id(rollout_id)[0]][rollout_id] = version
         for task_id, outcome in self.buffer.tasks.items():
             if task_id not in known:
                 self.journal.append(task_id, outcome, ids_by_task.get(task_id, {}))

@@ -49,7 +49,15 @@ from reinforge.actors.rollout_client import (
 from reinforge.actors.sandboxing import hold_sandbox_runner, sandbox_labels
 from reinforge.core import subjects
 from reinforge.core.actor import Actor, Input, Reject, Retry
-from reinforge.core.messages import Rollback, Rollout, Task, Timings, WeightsPublished, decode
+from reinforge.core.messages import (
+    Rollback,
+    Rollout,
+    Task,
+    Timings,
+    WeightsPublished,
+    decode,
+    rollout_id,
+)
 
 
 class GateStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -111,10 +119,6 @@ class GenerationGate:
 
 
 # ----------------------------------------------------------------------------- server process
-
-
-def rollout_id(task_id: str, sample_index: int, attempt: int) -> str:
-    return f"{task_id}:{sample_index}:{attempt}"
 
 
 class EpisodeTrace(msgspec.Struct, kw_only=True):

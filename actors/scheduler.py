@@ -65,6 +65,7 @@ from reinforge.core.messages import (
     TrainStats,
     WeightsPublished,
     decode,
+    split_rollout_id,
 )
 
 STATE_SCHEMA = 1
@@ -238,12 +239,6 @@ def load_state(path: Path) -> SchedulerState | None:
 
 def group_key(task_id: str, attempt: int) -> str:
     return f"{task_id}#{attempt}"
-
-
-def split_rollout_id(rollout_id: str) -> tuple[str, int, int]:
-    """f"{task_id}:{sample_index}:{attempt}" -> (task_id, sample_index, attempt)."""
-    task_id, i, attempt = rollout_id.rsplit(":", 2)
-    return task_id, int(i), int(attempt)
 
 
 def say(text: str) -> None:

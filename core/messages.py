@@ -269,6 +269,17 @@ def decode(data: bytes) -> Message:
         raise MessageError(f"undecodable payload ({len(data)} bytes): {exc}") from None
 
 
+def rollout_id(task_id: str, sample_index: int, attempt: int) -> str:
+    """A rollout's deterministic id: a retried publish of the same sample is deduplicated."""
+    return f"{task_id}:{sample_index}:{attempt}"
+
+
+def split_rollout_id(rollout_id: str) -> tuple[str, int, int]:
+    """f"{task_id}:{sample_index}:{attempt}" -> (task_id, sample_index, attempt)."""
+    task_id, i, attempt = rollout_id.rsplit(":", 2)
+    return task_id, int(i), int(attempt)
+
+
 def tag_of(cls: type) -> str:
     return cls.__struct_config__.tag  # type: ignore[attr-defined]
 

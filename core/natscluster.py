@@ -57,7 +57,7 @@ class ClusterNode:
 
     @property
     def client_url(self) -> str:
-        return f"nats://{self.host}:{self.client_port}"
+        return self.url(tls=False)
 
     def url(self, tls: bool) -> str:
         return f"{'tls' if tls else 'nats'}://{self.host}:{self.client_port}"
