@@ -295,18 +295,33 @@ def issue_budget(
     groups_per_version: int,
     max_staleness: int,
     done_since_version: int,
+    expected_in_flight: float | None = None,
+    signal_rate: float = 1.0,
 ) -> int:
     """How many new tasks may be issued now.
 
     The learner turns about `groups_per_version` groups into one new policy version. A group
     issued now must be trained on within `max_staleness` versions, so at most
-    `groups_per_version * (max_staleness + 1)` groups may be ahead of the learner: those in
-    flight plus those completed since the latest version. The budget is what is left of that,
-    and never more than `max_in_flight - in_flight`.
+    `groups_per_version * (max_staleness + 1)` groups the learner will train on may be ahead
+    of it: those expected from the tasks in flight plus those completed since the latest
+    version. A group without signal (all rewards equal) never reaches the learner, so a task
+    counts by its chance of carrying signal: `expected_in_flight` (default: every task
+    counts 1) and `signal_rate` for a new task. At 8 % signal, counting every task as 1 would
+    keep 6 tasks in flight for a learner that wants 2 groups: half a group of signal ahead of
+    it. The budget is never more than `max_in_flight - in_flight`.
     """
-    ahead_cap = groups_per_version * (max_staleness + 1)
-    by_learner = ahead_cap - in_flight - done_since_version
+    if not 0.0 < signal_rate <= 1.0:
+        raise ValueError(f"issue_budget: signal_rate must be in (0, 1], got {signal_rate}")
+    expected = float(in_flight) if expected_in_flight is None else expected_in_flight
+    room = groups_per_version * (max_staleness + 1) - done_since_version - expected
+    by_learner = math.ceil(room / signal_rate - 1e-9) if room > 0 else 0
     return max(0, min(max_in_flight - in_flight, by_learner))
+
+
+def updated_signal_rate(rate: float, informative: bool, *, weight: float = 0.05) -> float:
+    """The moving average of "this domain's groups carry signal" (recent groups weigh more:
+    the curriculum moves the tiers under it)."""
+    return rate + weight * ((1.0 if informative else 0.0) - rate)
 
 
 class RunningStats(msgspec.Struct, kw_only=True, array_like=True):

@@ -96,15 +96,15 @@ healthy_timeout_s = 300
 
 [[actors]]
 spec = "reinforge.actors.scheduler:Scheduler"
-config = {{ domains = {{ {mix} }}, group_size = {args.group_size}, max_in_flight = 6, groups_per_version = {args.groups_per_batch}, max_staleness = {max_staleness} }}
+config = {{ domains = {{ {mix} }}, group_size = {args.group_size}, max_in_flight = 16, groups_per_version = {args.groups_per_batch}, max_staleness = {max_staleness} }}
 
 [[actors]]
 spec = "reinforge.actors.sampler:SamplerActor"
-config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], max_new_tokens = 96, concurrency = 2, temperature = 1.0, sandbox = false }}
+config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], max_new_tokens = 96, concurrency = 8, temperature = 1.0, sandbox = false }}
 
 [[actors]]
 spec = "reinforge.actors.verifier:VerifierActor"
-config = {{ domains = [{dlist}], concurrency = 4, sandbox_pool_size = 1 }}
+config = {{ domains = [{dlist}], sandbox_pool_size = 2 }}
 
 [[actors]]
 spec = "reinforge.actors.learner:Learner"

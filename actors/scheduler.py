@@ -10,7 +10,8 @@ Dataflow:
 Decisions (pure, in `curriculum.py`): the domain by mixing weights x regression boosts with
 replay floors for critical domains; the tier where the predicted group pass rate gives the
 most learning signal; for recurring (file) tasks, the task itself. Flow control: in-flight
-tasks stay within `issue_budget` (learner demand x max staleness) and per-domain quotas.
+tasks stay within `issue_budget` (learner demand x max staleness, each task counted by its
+domain's recent rate of groups with signal) and per-domain quotas.
 
 Leases: a task whose group is not complete within `lease_s` is reissued with attempt+1
 (priority over new tasks), up to `max_attempts`; JetStream already redelivers a task whose
@@ -51,6 +52,7 @@ from reinforge.actors.curriculum import (
     issue_budget,
     mix_probabilities,
     pick_recurring_task,
+    updated_signal_rate,
 )
 from reinforge.actors.evalsets import HeldOutConfig, build_heldout, fingerprint
 from reinforge.core import paths, subjects
@@ -96,6 +98,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     overrides it)."""
     max_staleness: int = 2
     """Versions a group may lag the policy; bounds how far issuance runs ahead."""
+    min_signal_rate: float = 0.05
+    """Floor on a domain's estimated rate of groups with signal, which the issue budget
+    divides by: a domain whose groups never carry signal still counts (it cannot fill the
+    pipeline on its own); `max_in_flight` is the hard cap."""
     lease_s: float = 300.0
     """A task whose group is not complete after this is reissued (attempt + 1)."""
     stall_release_s: float = 120.0
@@ -125,6 +131,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             )
         if self.lease_s <= 0 or self.tick_s <= 0:
             raise ValueError("SchedulerConfig: lease_s and tick_s must be > 0")
+        if not 0.0 < self.min_signal_rate <= 1.0:
+            raise ValueError(f"SchedulerConfig.min_signal_rate must be in (0, 1], got "
+                             f"{self.min_signal_rate}")
         if self.stall_release_s < 0:
             raise ValueError("SchedulerConfig: stall_release_s must be >= 0 (0 disables it)")
         if any(w < 0 for w in self.domains.values()):
@@ -173,6 +182,9 @@ class DomainCounters(msgspec.Struct, kw_only=True):
     abandoned: int = 0
     groups: int = 0
     informative_groups: int = 0
+    signal_rate: float = 0.5
+    """Moving average of "a group carries signal" (stale ones included: staleness is the
+    budget's doing, not the domain's); 0.5 until groups come back."""
     late_groups: int = 0
     stale_groups: int = 0
     """Informative groups that arrived too stale for the learner (not counted as progress)."""
@@ -357,6 +369,7 @@ class Scheduler(Actor):
         c.tokens += tally.tokens
         c.infra_samples += len(tally.infra)
         informative = group_is_informative(rewards)
+        c.signal_rate = updated_signal_rate(c.signal_rate, informative)
         if informative:
             c.informative_groups += 1
         else:
@@ -475,14 +488,25 @@ class Scheduler(Actor):
             out[lease.task.domain] = out.get(lease.task.domain, 0) + 1
         return out
 
+    def signal_rate(self, domain: str) -> float:
+        c = self.state.counters.get(domain)
+        rate = c.signal_rate if c is not None else DomainCounters().signal_rate
+        return min(1.0, max(self.config.min_signal_rate, rate))
+
     def budget(self) -> int:
         cfg: SchedulerConfig = self.config
+        st = self.state
+        probs = self.probabilities(set(self.curricula))
+        new_task_rate = sum(p * self.signal_rate(d) for d, p in probs.items()) or 1.0
         return issue_budget(
-            in_flight=len(self.state.leases),
+            in_flight=len(st.leases),
             max_in_flight=cfg.max_in_flight,
-            groups_per_version=self.state.groups_per_version or cfg.groups_per_version,
+            groups_per_version=st.groups_per_version or cfg.groups_per_version,
             max_staleness=cfg.max_staleness,
-            done_since_version=self.state.done_since_version,
+            done_since_version=st.done_since_version,
+            expected_in_flight=sum(self.signal_rate(lease.task.domain)
+                                   for lease in st.leases.values()),
+            signal_rate=min(1.0, new_task_rate),
         )
 
     def _plan(self) -> Iterator[Task]:
@@ -647,6 +671,7 @@ class Scheduler(Actor):
                 out[f"{d}.tier_mix.{tier}"] = frac
             out[f"{d}.groups"] = float(c.groups)
             out[f"{d}.informative_groups"] = float(c.informative_groups)
+            out[f"{d}.signal_rate"] = self.signal_rate(d)
             out[f"{d}.wasted_tokens"] = float(c.wasted_tokens)
             out[f"{d}.wasted_token_frac"] = c.wasted_tokens / c.tokens if c.tokens else 0.0
             out[f"{d}.reward_mean"] = c.rewards.mean

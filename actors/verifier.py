@@ -37,12 +37,15 @@ class VerifierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """Domains this verifier serves; [] = every registered domain (one input on rollout.*)."""
     extra_domains: list[str] = []
     """More domains as `NAME=MODULE:CLASS` specs (added to the built-ins and entry points)."""
-    concurrency: int = 8
-    """Rollouts being verified at once (all domains together)."""
+    concurrency: int = 32
+    """Rollouts in the handler at once (all domains together). Wider than any one resource
+    limit, so rollouts of a cheap domain are not held behind a queue of sandbox checks."""
     resource_limits: dict[str, int] = msgspec.field(
-        default_factory=lambda: {"sandbox": 2, "judge": 4, "cpu": 4}
+        default_factory=lambda: {"judge": 4, "cpu": 4}
     )
-    """Checks at once per scarce resource (a domain names its resource)."""
+    """Checks at once per scarce resource (a domain names its resource). `sandbox` defaults
+    to what the pool can take at once: `sandbox_pool_size` x the pool's batch (its batching
+    only forms when more checks wait than there are sandboxes)."""
     sandbox: bool = True
     """Open a Podman sandbox pool for sandbox domains (code, terminal); without one they
     verify to infra_error."""
@@ -74,6 +77,14 @@ class VerifierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         for name, n in self.resource_limits.items():
             if n < 1:
                 raise ValueError(f"VerifierConfig.resource_limits[{name!r}] must be >= 1, got {n}")
+
+
+def resource_limits(config: VerifierConfig) -> dict[str, int]:
+    """The configured limits, with `sandbox` defaulting to what the pool takes at once."""
+    from reinforge.envs.sandbox_pool import PoolConfig
+
+    return {"sandbox": config.sandbox_pool_size * PoolConfig().max_batch,
+            **config.resource_limits}
 
 
 def task_spec_of(rollout: Rollout) -> Any:
@@ -127,7 +138,7 @@ class VerifierActor(Actor):
                 f"VerifierConfig.domains: unknown {unknown}; known: {self.registry.names()}"
             )
         self.domain_names = names
-        self.limits = ResourceLimits(config.resource_limits)
+        self.limits = ResourceLimits(resource_limits(config))
         self.domains: dict[str, Any] = {}
         self.ready = trio.Event()
         self.in_flight = 0

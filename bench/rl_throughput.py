@@ -4,15 +4,18 @@ Both modes start the demo's cluster with `reinforge up` (scheduler, sampler with
 embedded rollout server, verifier with Podman sandboxes, learner, monitor) from the same SFT
 checkpoint, on the same domains, and differ in one setting:
 
-  sync   max_staleness = 0: the scheduler issues only the groups of the next step and waits
-         for the new version; generation, verification and training take turns.
+  sync   max_staleness = 0: on-policy. The scheduler issues only the tasks expected to give
+         the next step's groups (each counted by its domain's rate of groups with signal)
+         and waits for the new version; groups still in flight when it arrives are
+         off-policy, and the learner drops them.
   async  max_staleness = 2 (the demo's setting): samplers keep generating for the next
-         versions while the learner trains.
+         versions while the learner trains, and groups up to 2 versions old are trained on.
 
 After the first policy version (start-up and warm-up excluded), each mode runs for
 `--window` seconds. Figures, from the monitor's metrics file:
   samples_per_s   samples that entered a learner update, per second of the window
   learner_idle    1 - (learner compute + checkpoint time) / window
+  stale_groups_dropped  groups the learner dropped as too old for its max_staleness
 Modes alternate over `--rounds` so machine noise falls on both; medians are reported.
 Last line: one JSON object with sync_samples_per_s, async_samples_per_s, speedup,
 sync_learner_idle, async_learner_idle.
@@ -52,11 +55,17 @@ def window_figures(records: list[dict], t0: float, window_s: float) -> dict[str,
     trained = sum(r["figures"].get("samples", 0.0) for r in train)
     busy = sum(r["figures"].get("compute_s", 0.0) + r["figures"].get("checkpoint_s", 0.0)
                for r in train)
+    def counter(rec: dict, name: str) -> float:
+        return rec["figures"].get(name, 0.0)
+
+    stale = counter(train[-1], "dropped_stale_groups") - counter(train[0], "dropped_stale_groups") \
+        if train else 0.0
     return {
         "samples_per_s": trained / window_s,
         "generated_per_s": len(scored) / window_s,
         "steps": float(len(train)),
         "learner_idle": max(0.0, 1.0 - busy / window_s),
+        "stale_groups_dropped": stale,
     }
 
 
@@ -125,6 +134,8 @@ def main() -> int:
         "async_learner_idle": round(median("async", "learner_idle"), 3),
         "sync_generated_per_s": round(median("sync", "generated_per_s"), 3),
         "async_generated_per_s": round(median("async", "generated_per_s"), 3),
+        "sync_stale_groups_dropped": median("sync", "stale_groups_dropped"),
+        "async_stale_groups_dropped": median("async", "stale_groups_dropped"),
         "sync_steps": median("sync", "steps"),
         "async_steps": median("async", "steps"),
         "window_s": args.window,

@@ -20,6 +20,7 @@ from reinforge.actors.curriculum import (
     mix_probabilities,
     pass_at_k,
     pick_recurring_task,
+    updated_signal_rate,
 )
 
 CFG = CurriculumConfig(min_groups=3, window_groups=4, explore=0.0)
@@ -190,6 +191,35 @@ def test_the_issue_budget_follows_learner_demand_and_staleness():
                         done_since_version=6) == 0
     assert issue_budget(in_flight=3, max_in_flight=4, groups_per_version=100, max_staleness=3,
                         done_since_version=0) == 1
+
+
+def test_the_issue_budget_counts_a_task_by_its_chance_of_carrying_signal():
+    # 2 groups per version, staleness 0: 2 groups of signal ahead. At 10 % signal per task,
+    # 20 tasks are expected to give them; 5 in flight already count 0.5.
+    assert issue_budget(in_flight=0, max_in_flight=100, groups_per_version=2, max_staleness=0,
+                        done_since_version=0, expected_in_flight=0.0, signal_rate=0.1) == 20
+    assert issue_budget(in_flight=5, max_in_flight=100, groups_per_version=2, max_staleness=0,
+                        done_since_version=0, expected_in_flight=0.5, signal_rate=0.1) == 15
+    assert issue_budget(in_flight=5, max_in_flight=100, groups_per_version=2, max_staleness=0,
+                        done_since_version=1, expected_in_flight=0.5, signal_rate=0.1) == 5
+    # the hard cap still holds, and nothing is issued once the demand is met
+    assert issue_budget(in_flight=5, max_in_flight=8, groups_per_version=2, max_staleness=0,
+                        done_since_version=0, expected_in_flight=0.5, signal_rate=0.1) == 3
+    assert issue_budget(in_flight=30, max_in_flight=100, groups_per_version=2, max_staleness=0,
+                        done_since_version=0, expected_in_flight=2.0, signal_rate=0.1) == 0
+    with pytest.raises(ValueError, match="signal_rate"):
+        issue_budget(in_flight=0, max_in_flight=8, groups_per_version=2, max_staleness=0,
+                     done_since_version=0, signal_rate=0.0)
+
+
+def test_the_signal_rate_follows_recent_groups():
+    rate = 0.5
+    for _ in range(100):
+        rate = updated_signal_rate(rate, False)
+    assert rate < 0.01
+    for _ in range(100):
+        rate = updated_signal_rate(rate, True)
+    assert rate > 0.99
 
 
 def test_running_stats_match_numpy_mean_and_population_std():

@@ -354,3 +354,56 @@ def test_a_scheduler_killed_right_after_issuing_never_reuses_a_task_id(creds, ru
     tasks = trio.run(main)
     ids = [(t.task_id, t.attempt) for t in tasks]
     assert len(ids) == len(set(ids))
+
+
+def test_groups_without_signal_widen_the_pipeline_and_one_with_signal_closes_it(
+    creds, run_name, tmp_path
+):
+    # One group of signal per version, none ahead (on-policy). A task counts by its domain's
+    # signal rate, so as groups come back without signal, more tasks go out at once.
+    cfg = config(tmp_path, domains={"math": 1.0}, group_size=2, max_in_flight=50,
+                 groups_per_version=1, max_staleness=0)
+    state_path = tmp_path / "state.json"
+
+    async def main():
+        async with open_bus(creds) as bus, scheduler(creds, run_name, cfg):
+            await bus.ensure_run_stream(run_name)
+            st = await wait_state(state_path, lambda s: len(s.leases) == 2)
+            assert st.counters["math"].signal_rate == 0.5  # the prior: 2 tasks, 1 expected
+            await trio.sleep(0.5)  # five ticks: nothing more goes out
+            assert len(load_state(state_path).leases) == 2
+
+            async def no_signal(task):
+                await publish_scored(bus, run_name, scored_group(task, [0.0, 0.0]))
+
+            watcher = TaskWatcher(bus, run_name)
+            answered = len(await watcher.until(lambda ts: len(ts) >= 30, on_task=no_signal))
+            rate = (await wait_state(state_path,
+                                     lambda s: s.counters["math"].groups == answered)
+                    ).counters["math"].signal_rate
+            assert rate < 0.5 * 0.95 ** 25
+            # unanswered now: the scheduler fills up to ceil(1 / rate) tasks in flight
+            wide = math.ceil(1 / rate - 1e-9)
+            assert wide > 4
+            st = await wait_state(state_path, lambda s: len(s.leases) >= wide)
+            await trio.sleep(0.5)
+            st = load_state(state_path)
+            assert len(st.leases) == wide
+            # one group with signal: the version's demand is met, nothing more goes out ...
+            open_tasks = [lease.task for lease in st.leases.values()]
+            await publish_scored(bus, run_name, scored_group(open_tasks[0], [1.0, 0.0]))
+            st = await wait_state(state_path, lambda s: s.done_since_version == 1)
+            issued = st.issued
+            await trio.sleep(0.5)
+            assert load_state(state_path).issued == issued
+            # ... until the learner's next version, once the tasks in flight (which the group
+            # with signal made look richer) come back without signal
+            await bus.publish_durable(subjects.weights(run_name),
+                                      m.WeightsPublished(version=1, path="/w1"), msg_id="w1")
+            await wait_state(state_path, lambda s: s.version == 1)
+            for task in open_tasks[1:]:
+                await publish_scored(bus, run_name, scored_group(task, [0.0, 0.0]))
+            st = await wait_state(state_path, lambda s: s.issued > issued)
+            assert st.done_since_version == 0
+
+    trio.run(main)

@@ -12,6 +12,7 @@ import trio
 from reinforge.actors.verifier import (
     VerifierActor,
     VerifierConfig,
+    resource_limits,
     scored_from_verdict,
     task_spec_of,
 )
@@ -180,6 +181,13 @@ def test_checks_of_the_domain_verdict_become_bus_checks():
 def test_a_bad_verifier_config_is_refused_with_the_field_named(overrides, words):
     with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
         VerifierConfig(**overrides)
+
+
+def test_the_sandbox_limit_defaults_to_what_the_pool_takes_at_once():
+    # 2 sandboxes x the pool's batch of 4: fewer would keep its batches from forming
+    assert resource_limits(VerifierConfig(sandbox_pool_size=2))["sandbox"] == 8
+    assert resource_limits(VerifierConfig(resource_limits={"sandbox": 3}))["sandbox"] == 3
+    assert resource_limits(VerifierConfig())["judge"] == 4
 
 
 # ----------------------------------------------------------------------------- on the bus
