@@ -21,6 +21,12 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_DOMAINS = "math,code,docqa"
+# The cluster's sizing for 2 CPU cores (bench/rl_throughput.py's synchronous baseline reads
+# the same numbers).
+MAX_IN_FLIGHT = 16
+SAMPLER_CONCURRENCY = 8
+MAX_NEW_TOKENS = 96
+SANDBOX_POOL_SIZE = 2
 
 
 def register(subparsers: Any) -> None:
@@ -52,15 +58,33 @@ def say(text: str) -> None:
     print(f"[demo {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
-def ensure_models(home: Path, domains: list[str], sft_steps: int) -> tuple[Path, Path]:
+def policy_spec(policy: str) -> Any:
+    """The policy sizes: `tiny` (the default, about 4 M parameters) and `wide` (about 8x the
+    compute per token: for benchmarks where training should be a real share of the loop)."""
+    from reinforge.engine.tiny import TinyModelSpec
+
+    sizes = {
+        "tiny": TinyModelSpec(),
+        "wide": TinyModelSpec(hidden_size=512, intermediate_size=1408, num_layers=8,
+                              num_heads=8, num_kv_heads=4),
+    }
+    if policy not in sizes:
+        raise ValueError(f"unknown policy size {policy!r}; known: {sorted(sizes)}")
+    return sizes[policy]
+
+
+def ensure_models(home: Path, domains: list[str], sft_steps: int,
+                  policy: str = "tiny") -> tuple[Path, Path]:
     from reinforge.actors.sft import SFTConfig, run_sft
     from reinforge.engine.tiny import init_tiny_model
 
-    base = home / "models" / "tiny"
+    spec = policy_spec(policy)
+    base = home / "models" / policy
     if not (base / "config.json").exists():
-        say(f"creating the tiny default model in {base}")
-        init_tiny_model(base)
-    sft = home / "models" / f"sft-{'-'.join(domains)}-{sft_steps}"
+        say(f"creating the {policy} policy in {base}")
+        init_tiny_model(base, spec)
+    prefix = "sft" if policy == "tiny" else f"sft-{policy}"
+    sft = home / "models" / f"{prefix}-{'-'.join(domains)}-{sft_steps}"
     say("SFT warm start (cached after the first time)")
     result = run_sft(
         SFTConfig(model=str(base), out=str(sft), domains=tuple(domains), tiers=(0,),
@@ -74,7 +98,7 @@ def ensure_models(home: Path, domains: list[str], sft_steps: int) -> tuple[Path,
 def evaluate(model: Path, domains: list[str], k: int, tasks_per_tier: int) -> dict[str, Any]:
     out = reinforge("eval", "--model", str(model), "--domains", ",".join(domains),
                     "--k", str(k), "--tiers", "0", "--tasks-per-tier", str(tasks_per_tier),
-                    "--max-new-tokens", "96", "--json", capture=True, timeout_s=1800)
+                    "--max-new-tokens", str(MAX_NEW_TOKENS), "--json", capture=True, timeout_s=1800)
     if out.returncode != 0:
         raise RuntimeError(f"reinforge eval failed ({out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -96,15 +120,15 @@ healthy_timeout_s = 300
 
 [[actors]]
 spec = "reinforge.actors.scheduler:Scheduler"
-config = {{ domains = {{ {mix} }}, group_size = {args.group_size}, max_in_flight = 16, groups_per_version = {args.groups_per_batch}, max_staleness = {max_staleness} }}
+config = {{ domains = {{ {mix} }}, group_size = {args.group_size}, max_in_flight = {MAX_IN_FLIGHT}, groups_per_version = {args.groups_per_batch}, max_staleness = {max_staleness} }}
 
 [[actors]]
 spec = "reinforge.actors.sampler:SamplerActor"
-config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], max_new_tokens = 96, concurrency = 8, temperature = 1.0, sandbox = false }}
+config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], max_new_tokens = {MAX_NEW_TOKENS}, concurrency = {SAMPLER_CONCURRENCY}, temperature = 1.0, sandbox = false }}
 
 [[actors]]
 spec = "reinforge.actors.verifier:VerifierActor"
-config = {{ domains = [{dlist}], sandbox_pool_size = 2 }}
+config = {{ domains = [{dlist}], sandbox_pool_size = {SANDBOX_POOL_SIZE} }}
 
 [[actors]]
 spec = "reinforge.actors.learner:Learner"

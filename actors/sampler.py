@@ -132,6 +132,18 @@ class EpisodeTrace(msgspec.Struct, kw_only=True):
     weight_versions: list[str]
 
 
+def prompt_token_ids(tokenizer: Any, messages: list[dict[str, str]], *,
+                     chat_template: bool = True) -> list[int]:
+    """The prompt the policy sees: the tokenizer's chat template when it has one (and
+    `chat_template`), else the messages' contents, one per line."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=False)
+    else:
+        text = "\n".join(m["content"] for m in messages) + "\n"
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
 class SamplerActor(Actor):
     actor_type = "sampler"
     Config = SamplerConfig
@@ -318,12 +330,7 @@ class SamplerActor(Actor):
     # -- tasks --------------------------------------------------------------------------
 
     def _prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        tok = self.tokenizer
-        if self.config.chat_template and getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        else:
-            text = "\n".join(m["content"] for m in messages) + "\n"
-        return list(tok.encode(text, add_special_tokens=False))
+        return prompt_token_ids(self.tokenizer, messages, chat_template=self.config.chat_template)
 
     def _sampling_params(self, n: int, **extra: Any) -> dict[str, Any]:
         cfg: SamplerConfig = self.config

@@ -1,31 +1,35 @@
 """RL throughput: the same short training, synchronous against asynchronous, one process run.
 
-Both modes start the demo's cluster with `reinforge up` (scheduler, sampler with its
-embedded rollout server, verifier with Podman sandboxes, learner, monitor) from the same SFT
-checkpoint, on the same domains, and differ in one setting:
+Same SFT checkpoint, domains, group size, groups per step, learning rate, rollout server,
+sandbox pool, curriculum and learner code in every mode:
 
-  sync   max_staleness = 0: on-policy. The scheduler issues only the tasks expected to give
-         the next step's groups (each counted by its domain's rate of groups with signal)
-         and waits for the new version; groups still in flight when it arrives are
-         off-policy, and the learner drops them.
-  async  max_staleness = 2 (the demo's setting): samplers keep generating for the next
-         versions while the learner trains, and groups up to 2 versions old are trained on.
+  sync      one process, one phase at a time (bench/rl_sync_loop.py): generate a round of
+            groups, then verify it, then (once enough groups carry signal) train, checkpoint
+            and load the weights into the rollout server; no bus.
+  async     the demo's cluster (`reinforge up`: scheduler, sampler with its embedded rollout
+            server, verifier with Podman sandboxes, learner, monitor) at max_staleness 2:
+            samplers keep generating for the next versions while the learner trains.
+  onpolicy  (with --modes) the same cluster at max_staleness 0: its phases overlap within a
+            version, but groups still in flight when the version changes are dropped.
 
 After the first policy version (start-up and warm-up excluded), each mode runs for
-`--window` seconds. Figures, from the monitor's metrics file:
+`--window` seconds. Figures (the cluster's from the monitor's metrics file):
   samples_per_s   samples that entered a learner update, per second of the window
+  generated_per_s samples generated and verified, per second
   learner_idle    1 - (learner compute + checkpoint time) / window
-  stale_groups_dropped  groups the learner dropped as too old for its max_staleness
-Modes alternate over `--rounds` so machine noise falls on both; medians are reported.
+  stale_groups_dropped  groups dropped as too old (cluster), or groups with signal beyond
+                  the step's that the sync loop discarded
+Modes alternate over `--rounds` so machine noise falls on all; medians are reported.
 Last line: one JSON object with sync_samples_per_s, async_samples_per_s, speedup,
-sync_learner_idle, async_learner_idle.
+sync_learner_idle, async_learner_idle (and the other figures per mode).
 
-    python bench/rl_throughput.py --json [--window 120] [--rounds 1]
+    python bench/rl_throughput.py --json [--window 120] [--rounds 1] [--modes sync,async]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import statistics
@@ -33,8 +37,12 @@ import sys
 import time
 from pathlib import Path
 
+import trio
 from reinforge.actors import demo
 from reinforge.core import paths
+
+sys.path.insert(0, str(Path(__file__).parent))  # bench/ is not a package
+from rl_sync_loop import SyncSettings, run_sync
 
 
 def read_records(metrics: Path) -> list[dict]:
@@ -76,11 +84,13 @@ def run_mode(mode: str, sft: Path, args: argparse.Namespace) -> dict[str, float]
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     domains = [d for d in args.domains.split(",") if d]
+    if mode == "sync":
+        return run_sync_mode(sft, domains, run_dir, args)
     cfg_args = argparse.Namespace(group_size=args.group_size, groups_per_batch=args.groups_per_batch,
                                   learning_rate=1e-4)
     config = run_dir / "bench.toml"
     config.write_text(demo.cluster_config(run, run_dir, sft, domains, cfg_args,
-                                          max_staleness=0 if mode == "sync" else 2))
+                                          max_staleness=0 if mode == "onpolicy" else 2))
     up = demo.reinforge("up", str(config), "--run", run, "--detach", capture=True)
     if up.returncode != 0:
         raise SystemExit(f"reinforge up failed ({mode}):\n{up.stdout}\n{up.stderr[-3000:]}")
@@ -103,6 +113,19 @@ def run_mode(mode: str, sft: Path, args: argparse.Namespace) -> dict[str, float]
     return figures
 
 
+def run_sync_mode(sft: Path, domains: list[str], run_dir: Path,
+                  args: argparse.Namespace) -> dict[str, float]:
+    settings = SyncSettings(group_size=args.group_size, groups_per_batch=args.groups_per_batch,
+                            learning_rate=1e-4, max_in_flight=demo.MAX_IN_FLIGHT,
+                            max_new_tokens=demo.MAX_NEW_TOKENS,
+                            sandbox_pool_size=demo.SANDBOX_POOL_SIZE)
+    figures = trio.run(functools.partial(
+        run_sync, sft, domains, settings, run_dir, window_s=args.window,
+        warmup_timeout_s=args.warmup_timeout))
+    demo.say(f"sync: {json.dumps({k: round(v, 3) for k, v in figures.items()})}")
+    return figures
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--window", type=float, default=120.0, help="seconds measured per mode")
@@ -112,35 +135,43 @@ def main() -> int:
     p.add_argument("--groups-per-batch", type=int, default=2)
     p.add_argument("--sft-steps", type=int, default=150)
     p.add_argument("--warmup-timeout", type=float, default=600.0)
+    p.add_argument("--policy", default="tiny",
+                   help="policy size: tiny (the demo's) or wide (about 8x the compute per token)")
+    p.add_argument("--modes", default="sync,async",
+                   help="sync and async, optionally onpolicy (the cluster at max_staleness 0)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
 
     domains = [d for d in args.domains.split(",") if d]
-    _, sft = demo.ensure_models(paths.home(), domains, args.sft_steps)
-    results: dict[str, list[dict[str, float]]] = {"sync": [], "async": []}
+    _, sft = demo.ensure_models(paths.home(), domains, args.sft_steps, args.policy)
+    modes = [m for m in args.modes.split(",") if m]
+    if not {"sync", "async"} <= set(modes) or not set(modes) <= {"sync", "async", "onpolicy"}:
+        raise SystemExit(f"--modes must hold sync and async (and may hold onpolicy), got {modes}")
+    results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     for _ in range(args.rounds):
-        for mode in ("sync", "async"):
+        for mode in modes:
             results[mode].append(run_mode(mode, sft, args))
 
     def median(mode: str, key: str) -> float:
         return statistics.median(r[key] for r in results[mode])
 
     sync, asyn = median("sync", "samples_per_s"), median("async", "samples_per_s")
-    out = {
+    out: dict[str, object] = {
         "sync_samples_per_s": round(sync, 3),
         "async_samples_per_s": round(asyn, 3),
         "speedup": round(asyn / sync, 3) if sync > 0 else None,
         "sync_learner_idle": round(median("sync", "learner_idle"), 3),
         "async_learner_idle": round(median("async", "learner_idle"), 3),
-        "sync_generated_per_s": round(median("sync", "generated_per_s"), 3),
-        "async_generated_per_s": round(median("async", "generated_per_s"), 3),
-        "sync_stale_groups_dropped": median("sync", "stale_groups_dropped"),
-        "async_stale_groups_dropped": median("async", "stale_groups_dropped"),
-        "sync_steps": median("sync", "steps"),
-        "async_steps": median("async", "steps"),
-        "window_s": args.window,
-        "rounds": args.rounds,
     }
+    for mode in modes:
+        for key in ("samples_per_s", "learner_idle", "generated_per_s", "stale_groups_dropped",
+                    "steps"):
+            out.setdefault(f"{mode}_{key}", round(median(mode, key), 3))
+    if "onpolicy" in modes and median("onpolicy", "samples_per_s") > 0:
+        out["speedup_vs_onpolicy"] = round(asyn / median("onpolicy", "samples_per_s"), 3)
+    out.update({"window_s": args.window, "rounds": args.rounds,
+                "per_round": {m: [round(r["samples_per_s"], 3) for r in results[m]]
+                              for m in modes}})
     if not args.json:
         for k, v in out.items():
             print(f"{k:24s} {v}", file=sys.stderr)
