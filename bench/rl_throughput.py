@@ -91,19 +91,20 @@ def run_mode(mode: str, sft: Path, args: argparse.Namespace) -> dict[str, float]
     config = run_dir / "bench.toml"
     config.write_text(demo.cluster_config(run, run_dir, sft, domains, cfg_args,
                                           max_staleness=0 if mode == "onpolicy" else 2))
+    started = time.time()
     up = demo.reinforge("up", str(config), "--run", run, "--detach", capture=True)
     if up.returncode != 0:
         raise SystemExit(f"reinforge up failed ({mode}):\n{up.stdout}\n{up.stderr[-3000:]}")
     metrics = run_dir / "metrics" / "metrics.jsonl"
     try:
-        deadline = time.time() + args.warmup_timeout
+        deadline = started + args.warmup_timeout
         first = None
         while first is None:
             if time.time() > deadline:
                 raise SystemExit(f"{mode}: no policy version within {args.warmup_timeout} s")
             time.sleep(1.0)
             first = next((r for r in read_records(metrics) if r.get("kind") == "train"), None)
-        demo.say(f"{mode}: first version at {first['t'] - deadline + args.warmup_timeout:.0f} s; "
+        demo.say(f"{mode}: first version {first['t'] - started:.0f} s after `up`; "
                  f"measuring {args.window:.0f} s")
         time.sleep(max(0.0, first["t"] + args.window + 2.0 - time.time()))
         figures = window_figures(read_records(metrics), first["t"], args.window)
