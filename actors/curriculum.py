@@ -318,6 +318,18 @@ def issue_budget(
     return max(0, min(max_in_flight - in_flight, by_learner))
 
 
+def floored_signal_rate(rate: float, floor: float) -> float:
+    return min(1.0, max(floor, rate))
+
+
+def new_task_signal_rate(probs: Mapping[str, float], rates: Mapping[str, float], *,
+                         floor: float) -> float:
+    """The chance that a task drawn by the mix `probs` carries signal: each domain's rate,
+    floored at `floor` (a domain that never shows signal still counts), capped at 1."""
+    rate = sum(p * floored_signal_rate(rates[d], floor) for d, p in probs.items())
+    return min(1.0, rate) or 1.0
+
+
 def updated_signal_rate(rate: float, informative: bool, *, weight: float = 0.05) -> float:
     """The moving average of "this domain's groups carry signal" (recent groups weigh more:
     the curriculum moves the tiers under it)."""

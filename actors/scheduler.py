@@ -48,9 +48,11 @@ from reinforge.actors.curriculum import (
     RunningStats,
     TaskRecord,
     draw_domain,
+    floored_signal_rate,
     group_is_informative,
     issue_budget,
     mix_probabilities,
+    new_task_signal_rate,
     pick_recurring_task,
     updated_signal_rate,
 )
@@ -488,16 +490,19 @@ class Scheduler(Actor):
             out[lease.task.domain] = out.get(lease.task.domain, 0) + 1
         return out
 
-    def signal_rate(self, domain: str) -> float:
+    def _raw_signal_rate(self, domain: str) -> float:
         c = self.state.counters.get(domain)
-        rate = c.signal_rate if c is not None else DomainCounters().signal_rate
-        return min(1.0, max(self.config.min_signal_rate, rate))
+        return c.signal_rate if c is not None else DomainCounters().signal_rate
+
+    def signal_rate(self, domain: str) -> float:
+        return floored_signal_rate(self._raw_signal_rate(domain), self.config.min_signal_rate)
 
     def budget(self) -> int:
         cfg: SchedulerConfig = self.config
         st = self.state
         probs = self.probabilities(set(self.curricula))
-        new_task_rate = sum(p * self.signal_rate(d) for d, p in probs.items()) or 1.0
+        new_task_rate = new_task_signal_rate(
+            probs, {d: self._raw_signal_rate(d) for d in probs}, floor=cfg.min_signal_rate)
         return issue_budget(
             in_flight=len(st.leases),
             max_in_flight=cfg.max_in_flight,
@@ -506,7 +511,7 @@ class Scheduler(Actor):
             done_since_version=st.done_since_version,
             expected_in_flight=sum(self.signal_rate(lease.task.domain)
                                    for lease in st.leases.values()),
-            signal_rate=min(1.0, new_task_rate),
+            signal_rate=new_task_rate,
         )
 
     def _plan(self) -> Iterator[Task]:

@@ -34,6 +34,7 @@ from reinforge.actors.curriculum import (
     group_is_informative,
     issue_budget,
     mix_probabilities,
+    new_task_signal_rate,
     updated_signal_rate,
 )
 from reinforge.actors.grpo import group_has_signal
@@ -104,8 +105,7 @@ class SyncLoop:
                                          group_size=settings.group_size,
                                          learning_rate=settings.learning_rate, torch_threads=1)
         self.trainer = Trainer(self.learner_cfg, sft)
-        sched = SchedulerConfig()
-        self.min_signal_rate = sched.min_signal_rate
+        self.min_signal_rate = SchedulerConfig().min_signal_rate
         self.curricula = {n: DomainCurriculum.new(CurriculumConfig(), len(d.tiers))
                           for n, d in domains.items()}
         self.signal = {n: 0.5 for n in domains}  # the scheduler's prior
@@ -117,11 +117,10 @@ class SyncLoop:
     # -- the phases ---------------------------------------------------------------------
 
     def draw_tasks(self, missing_groups: int) -> list[tuple[str, Any]]:
-        rate = lambda d: min(1.0, max(self.min_signal_rate, self.signal[d]))
+        rate = new_task_signal_rate(self.probs, self.signal, floor=self.min_signal_rate)
         n = issue_budget(in_flight=0, max_in_flight=self.s.max_in_flight,
                          groups_per_version=missing_groups, max_staleness=0,
-                         done_since_version=0, expected_in_flight=0.0,
-                         signal_rate=sum(p * rate(d) for d, p in self.probs.items()))
+                         done_since_version=0, expected_in_flight=0.0, signal_rate=rate)
         out = []
         for _ in range(n):
             name = draw_domain(self.probs, self.rng)

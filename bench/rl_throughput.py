@@ -44,6 +44,9 @@ from reinforge.core import paths
 sys.path.insert(0, str(Path(__file__).parent))  # bench/ is not a package
 from rl_sync_loop import SyncSettings, run_sync
 
+LEARNING_RATE = 1e-4
+"""The demo's default, for every mode."""
+
 
 def read_records(metrics: Path) -> list[dict]:
     if not metrics.exists():
@@ -63,11 +66,9 @@ def window_figures(records: list[dict], t0: float, window_s: float) -> dict[str,
     trained = sum(r["figures"].get("samples", 0.0) for r in train)
     busy = sum(r["figures"].get("compute_s", 0.0) + r["figures"].get("checkpoint_s", 0.0)
                for r in train)
-    def counter(rec: dict, name: str) -> float:
-        return rec["figures"].get(name, 0.0)
-
-    stale = counter(train[-1], "dropped_stale_groups") - counter(train[0], "dropped_stale_groups") \
-        if train else 0.0
+    # the learner's counter is cumulative: what it added over the window
+    stale_counts = [r["figures"].get("dropped_stale_groups", 0.0) for r in train]
+    stale = stale_counts[-1] - stale_counts[0] if stale_counts else 0.0
     return {
         "samples_per_s": trained / window_s,
         "generated_per_s": len(scored) / window_s,
@@ -87,7 +88,7 @@ def run_mode(mode: str, sft: Path, args: argparse.Namespace) -> dict[str, float]
     if mode == "sync":
         return run_sync_mode(sft, domains, run_dir, args)
     cfg_args = argparse.Namespace(group_size=args.group_size, groups_per_batch=args.groups_per_batch,
-                                  learning_rate=1e-4)
+                                  learning_rate=LEARNING_RATE)
     config = run_dir / "bench.toml"
     config.write_text(demo.cluster_config(run, run_dir, sft, domains, cfg_args,
                                           max_staleness=0 if mode == "onpolicy" else 2))
@@ -117,7 +118,7 @@ def run_mode(mode: str, sft: Path, args: argparse.Namespace) -> dict[str, float]
 def run_sync_mode(sft: Path, domains: list[str], run_dir: Path,
                   args: argparse.Namespace) -> dict[str, float]:
     settings = SyncSettings(group_size=args.group_size, groups_per_batch=args.groups_per_batch,
-                            learning_rate=1e-4, max_in_flight=demo.MAX_IN_FLIGHT,
+                            learning_rate=LEARNING_RATE, max_in_flight=demo.MAX_IN_FLIGHT,
                             max_new_tokens=demo.MAX_NEW_TOKENS,
                             sandbox_pool_size=demo.SANDBOX_POOL_SIZE)
     figures = trio.run(functools.partial(

@@ -18,6 +18,7 @@ from reinforge.actors.curriculum import (
     informative_probability,
     issue_budget,
     mix_probabilities,
+    new_task_signal_rate,
     pass_at_k,
     pick_recurring_task,
     updated_signal_rate,
@@ -210,6 +211,14 @@ def test_the_issue_budget_counts_a_task_by_its_chance_of_carrying_signal():
     with pytest.raises(ValueError, match="signal_rate"):
         issue_budget(in_flight=0, max_in_flight=8, groups_per_version=2, max_staleness=0,
                      done_since_version=0, signal_rate=0.0)
+
+
+def test_a_new_task_counts_by_the_mix_of_floored_domain_rates():
+    # a domain never seen with signal still counts at the floor
+    assert new_task_signal_rate({"a": 0.5, "b": 0.5}, {"a": 0.0, "b": 0.4},
+                                floor=0.05) == pytest.approx(0.225)
+    assert new_task_signal_rate({"a": 1.0}, {"a": 3.0}, floor=0.05) == 1.0
+    assert new_task_signal_rate({}, {}, floor=0.05) == 1.0  # no mix: every task counts 1
 
 
 def test_the_signal_rate_follows_recent_groups():
