@@ -317,7 +317,10 @@ def test_a_killed_verifier_redelivers_its_rollouts_and_each_is_scored_exactly_on
             await publish_rollouts(bus, run_name, rollouts)
             args = ("actor", "run", VERIFIER, "--run", run_name, "--creds", str(creds_file),
                     "--set", "domains=['code']", "--set", "ack_wait_s=4",
-                    "--set", "sandbox_pool_size=2")
+                    "--set", "sandbox_pool_size=2",
+                    # one check at a time: the first result comes while the other seven are
+                    # still held (unacked) by this verifier, however the pool batches
+                    "--set", "resource_limits.sandbox=1")
             first = spawn(*args, log_name="verifier1.log")
             await collect_scored(bus, run_name, 1, timeout_s=120, group="first")
             first.send_signal(signal.SIGKILL)
@@ -326,8 +329,9 @@ def test_a_killed_verifier_redelivers_its_rollouts_and_each_is_scored_exactly_on
             got = await collect_scored(bus, run_name, len(rollouts), timeout_s=180)
             assert {s.outcome for s in got.values()} == {m.Outcome.PASS}, [
                 s.reason for s in got.values()]
-            # the first verifier took all 8 at once (concurrency 8), so what the second one
-            # scored had been in flight in the killed one and was redelivered
+            # the first verifier took all 8 at once (handler concurrency) but checked them one
+            # at a time, so what the second one scored had been in flight in the killed one
+            # and was redelivered
             assert len({s.verifier_id for s in got.values()}) == 2
             # nothing lost (above), nothing stored twice (msg_id dedupe of redelivered checks)
             assert await count_stored(bus, run_name, subjects.scored(run_name)) == len(rollouts)
