@@ -19,12 +19,15 @@ are dropped (counted as stale).
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import psutil
 import trio
 from reinforge.actors import checkpoint as ckpt
 from reinforge.actors.curriculum import (
@@ -63,7 +66,8 @@ async def run_sync(sft: Path, domains: list[str], settings: SyncSettings, work_d
                    *, window_s: float, warmup_timeout_s: float) -> dict[str, float]:
     """Train synchronously; after the first version, measure `window_s` seconds. Returns the
     figures of rl_throughput.window_figures (samples_per_s, generated_per_s, steps,
-    learner_idle, stale_groups_dropped)."""
+    learner_idle, stale_groups_dropped, cpu_busy, signal_share[/DOMAIN]), and each phase's
+    share of the loop's time (phase_share/generate, verify, train, load_weights)."""
     from reinforge.envs.code_runner import sandbox_runner
     from reinforge.envs.domain import DomainRegistry, ResourceLimits
     from reinforge.envs.sandbox import SandboxConfig
@@ -88,6 +92,61 @@ async def run_sync(sft: Path, domains: list[str], settings: SyncSettings, work_d
             return await loop.run(limits, window_s=window_s, warmup_timeout_s=warmup_timeout_s)
     finally:
         server.stop()
+
+
+def signal_shares(groups: list[tuple[str, list[float]]]) -> dict[str, float]:
+    """The share of groups whose rewards differ (the only ones a GRPO step can use), over
+    all and per domain: `signal_share`, `signal_share/DOMAIN`. Where two modes generate at
+    the same rate, a gap in trained samples/s comes from here."""
+    out: dict[str, float] = {}
+    for name in sorted({"", *(d for d, _ in groups)}):
+        mine = [rewards for d, rewards in groups if name in ("", d)]
+        key = f"signal_share/{name}" if name else "signal_share"
+        out[key] = sum(group_is_informative(r) for r in mine) / max(1, len(mine))
+    return out
+
+
+class PhaseClock:
+    """Wall time per phase of the sync loop; `phase_share/NAME` is its share of the total."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def timing(self, name: str) -> Iterator[None]:
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.monotonic() - t0
+
+    def reset(self) -> None:
+        self.seconds.clear()
+
+    def shares(self) -> dict[str, float]:
+        total = sum(self.seconds.values()) or 1.0
+        return {f"phase_share/{k}": v / total for k, v in sorted(self.seconds.items())}
+
+
+class CpuMeter:
+    """The machine's CPU busy share (all processes, all cores) since `start`. With the sync
+    loop's share b, a mode that only overlaps its phases can be at most 1/b times faster
+    on this machine: the overlap has nothing but the idle cycles to run in."""
+
+    def __init__(self) -> None:
+        self.start()
+
+    def start(self) -> None:
+        self.t0 = psutil.cpu_times()
+
+    def busy_share(self) -> float:
+        t1 = psutil.cpu_times()
+        # on Linux guest time is already inside user time
+        delta = {k: getattr(t1, k) - getattr(self.t0, k) for k in t1._fields
+                 if k not in ("guest", "guest_nice")}
+        total = sum(delta.values())
+        idle = delta["idle"] + delta.get("iowait", 0.0)
+        return 1.0 - idle / total if total > 0 else 0.0
 
 
 class SyncLoop:
@@ -192,11 +251,17 @@ class SyncLoop:
         trained = generated = steps = stale = 0
         busy = 0.0
         usable: list[list[ScoredRollout]] = []
+        window_groups: list[tuple[str, list[float]]] = []
+        phases = PhaseClock()
+        cpu = CpuMeter()
         while t_first is None or time.time() < t_first + window_s:
             if t_first is None and time.time() > deadline:
                 raise SystemExit(f"sync: no policy version within {warmup_timeout_s} s")
             tasks = self.draw_tasks(self.s.groups_per_batch - len(usable))
-            groups = await self.verify(await self.generate(tasks), tasks, limits)
+            with phases.timing("generate"):
+                generation = await self.generate(tasks)
+            with phases.timing("verify"):
+                groups = await self.verify(generation, tasks, limits)
             for g in groups:
                 rewards = [s.reward for s in g]
                 informative = group_is_informative(rewards)
@@ -207,15 +272,20 @@ class SyncLoop:
                     usable.append(g)
             if t_first is not None:
                 generated += sum(len(g) for g in groups)
+                window_groups += [(g[0].rollout.domain, [s.reward for s in g]) for g in groups]
             if len(usable) < self.s.groups_per_batch:
                 continue
             batch, extra = usable[: self.s.groups_per_batch], usable[self.s.groups_per_batch:]
             usable = []
-            n, step_busy = await trio.to_thread.run_sync(self.train, batch)
-            await self.client.update_weights_from_disk(str(self.checkpoint_path),
-                                                       weight_version=str(self.version))
+            with phases.timing("train"):
+                n, step_busy = await trio.to_thread.run_sync(self.train, batch)
+            with phases.timing("load_weights"):
+                await self.client.update_weights_from_disk(str(self.checkpoint_path),
+                                                           weight_version=str(self.version))
             if t_first is None:
                 t_first = time.time()
+                phases.reset()
+                cpu.start()
                 continue
             if time.time() <= t_first + window_s:
                 trained, busy, steps, stale = trained + n, busy + step_busy, steps + 1, \
@@ -226,4 +296,7 @@ class SyncLoop:
             "steps": float(steps),
             "learner_idle": max(0.0, 1.0 - busy / window_s),
             "stale_groups_dropped": float(stale),
+            "cpu_busy": cpu.busy_share(),
+            **phases.shares(),
+            **signal_shares(window_groups),
         }

@@ -19,6 +19,12 @@ After the first policy version (start-up and warm-up excluded), each mode runs f
   learner_idle    1 - (learner compute + checkpoint time) / window
   stale_groups_dropped  groups dropped as too old (cluster), or groups with signal beyond
                   the step's that the sync loop discarded
+  signal_share    the share of groups generated in the window whose rewards differ (over
+                  all and per domain): trained samples/s = generated/s x about this share
+  cpu_busy        the machine's CPU busy share over the window (all processes, all cores)
+  sync phase_share/generate|verify|train|load_weights: where the sync loop's time goes
+The sync loop's cpu_busy b bounds what overlap alone can buy on this machine: `overlap_bound`
+= 1 / b (async can only fill idle cycles); its phase shares bound it too: 1 / the largest.
 Modes alternate over `--rounds` so machine noise falls on all; medians are reported.
 Last line: one JSON object with sync_samples_per_s, async_samples_per_s, speedup,
 sync_learner_idle, async_learner_idle (and the other figures per mode).
@@ -42,7 +48,7 @@ from reinforge.actors import demo
 from reinforge.core import paths
 
 sys.path.insert(0, str(Path(__file__).parent))  # bench/ is not a package
-from rl_sync_loop import SyncSettings, run_sync
+from rl_sync_loop import CpuMeter, SyncSettings, run_sync, signal_shares
 
 LEARNING_RATE = 1e-4
 """The demo's default, for every mode."""
@@ -69,12 +75,17 @@ def window_figures(records: list[dict], t0: float, window_s: float) -> dict[str,
     # the learner's counter is cumulative: what it added over the window
     stale_counts = [r["figures"].get("dropped_stale_groups", 0.0) for r in train]
     stale = stale_counts[-1] - stale_counts[0] if stale_counts else 0.0
+    groups: dict[str, list[dict]] = {}
+    for r in scored:
+        if r.get("purpose", "train") == "train":
+            groups.setdefault(r["task_id"], []).append(r)
     return {
         "samples_per_s": trained / window_s,
         "generated_per_s": len(scored) / window_s,
         "steps": float(len(train)),
         "learner_idle": max(0.0, 1.0 - busy / window_s),
         "stale_groups_dropped": stale,
+        **signal_shares([(g[0]["domain"], [r["reward"] for r in g]) for g in groups.values()]),
     }
 
 
@@ -107,8 +118,12 @@ def run_mode(mode: str, sft: Path, args: argparse.Namespace) -> dict[str, float]
             first = next((r for r in read_records(metrics) if r.get("kind") == "train"), None)
         demo.say(f"{mode}: first version {first['t'] - started:.0f} s after `up`; "
                  f"measuring {args.window:.0f} s")
-        time.sleep(max(0.0, first["t"] + args.window + 2.0 - time.time()))
-        figures = window_figures(read_records(metrics), first["t"], args.window)
+        cpu = CpuMeter()  # from about a second after the first version
+        time.sleep(max(0.0, first["t"] + args.window - time.time()))
+        cpu_busy = cpu.busy_share()
+        time.sleep(2.0)  # the window's last records
+        figures = {**window_figures(read_records(metrics), first["t"], args.window),
+                   "cpu_busy": cpu_busy}
     finally:
         demo.reinforge("down", "--run", run, capture=True)
     demo.say(f"{mode}: {json.dumps({k: round(v, 3) for k, v in figures.items()})}")
@@ -167,8 +182,17 @@ def main() -> int:
     }
     for mode in modes:
         for key in ("samples_per_s", "learner_idle", "generated_per_s", "stale_groups_dropped",
-                    "steps"):
+                    "steps", "signal_share", "cpu_busy"):
             out.setdefault(f"{mode}_{key}", round(median(mode, key), 3))
+    gen_sync = median("sync", "generated_per_s")
+    if gen_sync > 0:
+        out["generated_speedup"] = round(median("async", "generated_per_s") / gen_sync, 3)
+    if median("sync", "cpu_busy") > 0:
+        out["overlap_bound"] = round(1.0 / median("sync", "cpu_busy"), 3)
+    for mode in modes:
+        shares = sorted({k for r in results[mode] for k in r if "/" in k})
+        out[f"{mode}_shares"] = {k: round(statistics.median(r.get(k, 0.0) for r in results[mode]), 3)
+                                 for k in shares}
     if "onpolicy" in modes and median("onpolicy", "samples_per_s") > 0:
         out["speedup_vs_onpolicy"] = round(asyn / median("onpolicy", "samples_per_s"), 3)
     out.update({"window_s": args.window, "rounds": args.rounds,
