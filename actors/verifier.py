@@ -143,6 +143,7 @@ class VerifierActor(Actor):
         self.ready = trio.Event()
         self.in_flight = 0
         self.sandbox_error = ""
+        self.runner: Any = None  # the Podman pool runner once main() opened it
         self.outcomes: dict[str, int] = {o.value: 0 for o in Outcome}
 
     def inputs(self) -> list[Input]:
@@ -175,6 +176,16 @@ class VerifierActor(Actor):
         for res, s in self.limits.statistics().items():
             out[f"{res}_busy"] = float(s["borrowed"])
             out[f"{res}_waiting"] = float(s["waiting"])
+        if self.runner is not None:
+            pool = self.runner.statistics()
+            out.update({
+                "sandbox_jobs": float(pool.jobs), "sandbox_execs": float(pool.batches),
+                # Podman's exec cost is paid once per exec: more jobs per exec, less CPU each
+                "sandbox_jobs_per_exec": pool.batched_jobs / max(1, pool.batches),
+                "sandbox_cache_hits": float(pool.cache_hits),
+                "sandbox_replaced": float(pool.sandboxes_replaced),
+                "sandbox_latency_p50_s": pool.latency_p50_s,
+            })
         return out
 
     async def main(self) -> None:
@@ -193,6 +204,7 @@ class VerifierActor(Actor):
 
     def _attach_domains(self, runner: Any, error: str) -> None:
         self.sandbox_error = error  # sandbox domains verify to infra_error without a runner
+        self.runner = runner
         for name in self.domain_names:
             domain = self.registry.get(name)
             if runner is not None and domain.resource == "sandbox":

@@ -21,6 +21,7 @@ from reinforge.core import subjects
 from reinforge.core.actor import run_actor
 from reinforge.core.bus import open_bus
 from reinforge.envs.domain import Check, DomainRegistry, Verdict
+from reinforge.envs.sandbox_pool import PoolConfig
 
 VERIFIER = "reinforge.actors.verifier:VerifierActor"
 BAD = {
@@ -266,6 +267,18 @@ def test_a_rollout_of_a_domain_the_verifier_does_not_serve_is_dead_lettered(cred
     trio.run(main)
 
 
+async def sandbox_figures(bus, run: str, timeout_s: float = 30) -> dict[str, float]:
+    """The figures of the first verifier heartbeat that reports sandbox work."""
+    with trio.fail_after(timeout_s):
+        async with bus.subscribe(subjects.heartbeat(run)) as sub:
+            async for batch in sub:
+                for record in batch:
+                    beat = m.decode(record.data)
+                    if beat.actor_type == "verifier" and beat.figures.get("sandbox_jobs", 0.0) > 0:
+                        return beat.figures
+    raise AssertionError("the heartbeat subscription ended")
+
+
 @pytest.mark.nats
 @pytest.mark.podman
 @pytest.mark.slow
@@ -284,7 +297,13 @@ def test_a_verifier_in_a_running_cluster_scores_rollouts_of_all_five_domains(
             assert ctx.actor_type == "verifier"
             await publish_rollouts(bus, run_name, rollouts)
             got = await collect_scored(bus, run_name, len(rollouts), timeout_s=240)
+            figures = await sandbox_figures(bus, run_name)
             nursery.cancel_scope.cancel()
+        # the pool's work shows in the verifier's heartbeats: every code check went through it
+        code_checks = sum(r.domain == "code" for r in rollouts)
+        assert figures["sandbox_jobs"] >= code_checks, figures
+        assert figures["sandbox_execs"] >= 1
+        assert 1.0 <= figures["sandbox_jobs_per_exec"] <= PoolConfig().max_batch
         for r in rollouts:
             s = got[r.rollout_id]
             if r.sample_index == 0:
