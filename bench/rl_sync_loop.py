@@ -270,9 +270,10 @@ class SyncLoop:
                 self.curricula[name].record(tier, sum(rewards) / max(1, len(rewards)))
                 if group_has_signal(rewards, [sample_is_valid(s) for s in g]):
                     usable.append(g)
+                if t_first is not None:
+                    window_groups.append((name, rewards))
             if t_first is not None:
                 generated += sum(len(g) for g in groups)
-                window_groups += [(g[0].rollout.domain, [s.reward for s in g]) for g in groups]
             if len(usable) < self.s.groups_per_batch:
                 continue
             batch, extra = usable[: self.s.groups_per_batch], usable[self.s.groups_per_batch:]
