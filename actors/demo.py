@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from reinforge.cli import reinforge_argv
+
 DEFAULT_DOMAINS = "math,code,docqa"
 # The cluster's sizing for 2 CPU cores (bench/rl_throughput.py's synchronous baseline reads
 # the same numbers).
@@ -48,7 +50,7 @@ def register(subparsers: Any) -> None:
 
 
 def reinforge(*args: str, capture: bool = False, timeout_s: float | None = None) -> Any:
-    cmd = [sys.executable, "-m", "reinforge", *args]
+    cmd = reinforge_argv(*args)
     if capture:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     return subprocess.run(cmd, timeout=timeout_s, stdout=sys.stderr)

@@ -59,6 +59,12 @@ class SupervisorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     backoff_initial_s: float = 0.5
     """First restart delay; doubles per restart within the window, up to backoff_max_s."""
     backoff_max_s: float = 10.0
+    crash_loop_exits: int = 3
+    """Exits of one child, none of which reported healthy, within `crash_loop_window_s`
+    that stop the run at once, naming the child and showing its log's last lines: an actor
+    that cannot start (a bad import, a wrong path) fails the run in seconds, not after
+    `healthy_timeout_s`. 0 turns this off."""
+    crash_loop_window_s: float = 60.0
     heartbeat_timeout_s: float = 8.0
     """The watchdog flags an actor whose newest heartbeat is older than this."""
     healthy_timeout_s: float = 120.0

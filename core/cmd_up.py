@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from reinforge.cli import reinforge_argv
+
 RUN_ENV = "REINFORGE_RUN"
 
 
@@ -97,8 +99,8 @@ def up_foreground(config: Any) -> int:
     code = 0
     try:
         trio.run(supervisor.run_forever)
-    except RunStopped as exc:
-        print(f"reinforge up: the run stopped: {exc}", file=sys.stderr)
+    except RunStopped as exc:  # the supervisor's alert above said why, in full
+        print(f"reinforge up: the run stopped: {str(exc).splitlines()[0]}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:
         pass
@@ -112,14 +114,15 @@ def up_foreground(config: Any) -> int:
 def up_detached(args: argparse.Namespace, config: Any) -> int:
     from reinforge.cli import UserError
     from reinforge.core import paths
+    from reinforge.core.supervisor import log_tail
 
     run = config.run
     run_dir = paths.run_dir(run)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / "nats.json").unlink(missing_ok=True)
-    argv = [sys.executable, "-m", "reinforge", "up", "--run", run]
+    argv = reinforge_argv("up", "--run", run)
     if args.config:
-        argv.insert(4, args.config)
+        argv.append(args.config)
     for override in args.overrides:
         argv += ["--set", override]
     log_path = run_dir / "logs" / "supervisor.log"
@@ -133,8 +136,12 @@ def up_detached(args: argparse.Namespace, config: Any) -> int:
     except UserError as exc:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-        tail = log_path.read_text(errors="replace")[-2000:]
-        raise UserError(f"{exc}\n--- {log_path} (tail) ---\n{tail}") from None
+        if proc.poll() is None:  # let it drain, so its log ends with why it stopped
+            try:
+                proc.wait(timeout=config.supervisor.drain_timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        raise UserError(f"{exc}\n--- {log_path} (tail) ---\n{log_tail(log_path, 60)}") from None
     from reinforge.core.cmd_status import report_to_json
 
     summary = report_to_json(report)
@@ -299,7 +306,7 @@ def cmd_attach(args: argparse.Namespace) -> int:
         log = paths.run_dir(run) / "logs" / f"attach-{cls.actor_type}-{os.getpid()}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as f:
-            proc = subprocess.Popen([sys.executable, "-m", "reinforge", *argv], stdout=f,
+            proc = subprocess.Popen(reinforge_argv(*argv), stdout=f,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, env=env)
         wait_attached(creds, run, cls.actor_type, args.replicas, proc)

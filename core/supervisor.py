@@ -24,6 +24,7 @@ from typing import Any
 
 import trio
 
+from reinforge.cli import reinforge_argv
 from reinforge.core import paths, subjects
 from reinforge.core.bus import Bus, open_bus
 from reinforge.core.cluster import ActorSpec, ClusterConfig, config_to_overrides
@@ -51,6 +52,16 @@ class Child:
     proc: trio.Process | None = None
     restarts: list[float] = field(default_factory=list)
     total_restarts: int = 0
+    ready_file: Path | None = None
+    """A file the child writes once it serves (the rollout server's port file), for a child
+    that sends no heartbeats."""
+    spawned_at: float = 0.0
+    log_offset: int = 0
+    """Where this process's output starts in the log (earlier processes' output precedes)."""
+    healthy: bool = False
+    """This process (not an earlier one of the child) reported running."""
+    unhealthy_exits: list[float] = field(default_factory=list)
+    """When processes of this child exited without ever reporting running."""
 
     @property
     def pid(self) -> int:
@@ -110,7 +121,7 @@ class Supervisor:
         from reinforge.core.registry import resolve
 
         actor_type = resolve(actor.spec).actor_type
-        base = [sys.executable, "-m", "reinforge", "actor", "run", actor.spec, "--run", self.run]
+        base = reinforge_argv("actor", "run", actor.spec, "--run", self.run)
         for override in config_to_overrides(actor.config):
             base += ["--set", override]
         out = []
@@ -122,6 +133,7 @@ class Supervisor:
 
     async def _spawn(self, child: Child) -> None:
         log = open(child.log_path, "ab")  # noqa: SIM115 - handed to the child
+        child.log_offset = log.tell()
         try:
             child.proc = await trio.lowlevel.open_process(
                 child.argv, stdout=log, stderr=subprocess_stdout(), env=self.child_env(),
@@ -129,6 +141,8 @@ class Supervisor:
             )
         finally:
             log.close()
+        child.healthy = False
+        child.spawned_at = time.time()
 
     async def supervise(self, child: Child) -> None:
         """Keep one child running; restart it with backoff; give up past the limit."""
@@ -143,18 +157,35 @@ class Supervisor:
             child.restarts = [t for t in child.restarts if now - t < self.sup.restart_window_s]
             child.restarts.append(now)
             child.total_restarts += 1
+            if self.crash_looping(child, now):
+                return self.stop_loudly(
+                    f"{child.name} is crash-looping: it exited {len(child.unhealthy_exits)} "
+                    f"times within {self.sup.crash_loop_window_s:.0f} s without ever reporting "
+                    f"healthy (last exit code {code}). The end of its log, {child.log_path}:\n"
+                    f"{log_tail(child.log_path, start=child.log_offset)}"
+                )
             self.alert(f"{child.name} (pid {child.pid}) exited with {code}; restarting")
             if len(child.restarts) > self.sup.max_restarts:
-                self.fatal = (
+                return self.stop_loudly(
                     f"{child.name} exited {len(child.restarts)} times within "
                     f"{self.sup.restart_window_s:.0f} s (last exit code {code}); "
                     f"see {child.log_path}"
                 )
-                self.alert(f"STOPPING THE RUN: {self.fatal}")
-                self.request_stop()
-                return
             await trio.sleep(delay)
             delay = min(delay * 2, self.sup.backoff_max_s)
+
+    def crash_looping(self, child: Child, now: float) -> bool:
+        """Count an exit of a process that never reported healthy; True once there were
+        `crash_loop_exits` of them within the window (a healthy process resets the count)."""
+        ready = child.ready_file
+        if ready is not None and ready.exists() and ready.stat().st_mtime >= child.spawned_at:
+            child.healthy = True
+        if child.healthy:
+            child.unhealthy_exits.clear()
+            return False
+        window = self.sup.crash_loop_window_s
+        child.unhealthy_exits = [t for t in child.unhealthy_exits if now - t < window] + [now]
+        return 0 < self.sup.crash_loop_exits <= len(child.unhealthy_exits)
 
     def add_children(self, children: list[Child]) -> None:
         assert self._nursery is not None
@@ -168,6 +199,11 @@ class Supervisor:
         print(f"[supervisor {self.run}] {text}", file=sys.stderr, flush=True)
         with open(self.run_dir / "watchdog.log", "a") as f:
             f.write(line + "\n")
+
+    def stop_loudly(self, why: str) -> None:
+        self.fatal = why
+        self.alert(f"STOPPING THE RUN: {why}")
+        self.request_stop()
 
     def request_stop(self) -> None:
         self.stop_event.set()
@@ -239,10 +275,11 @@ class Supervisor:
         spec = self.config.rollout_server
         port_file = self.run_dir / "rollout_server.port"
         port_file.unlink(missing_ok=True)
-        argv = [sys.executable, "-m", "reinforge", "serve", "--model", spec.model,
-                "--port", str(spec.port), "--port-file", str(port_file),
-                "--kv-cache-dtype", spec.kv_cache_dtype, *spec.extra_args]
-        child = Child("rollout-server", argv, self.log_dir / "rollout-server.log")
+        argv = reinforge_argv("serve", "--model", spec.model, "--port", str(spec.port),
+                              "--port-file", str(port_file),
+                              "--kv-cache-dtype", spec.kv_cache_dtype, *spec.extra_args)
+        child = Child("rollout-server", argv, self.log_dir / "rollout-server.log",
+                      ready_file=port_file)
         self.add_children([child])
         with trio.fail_after(300):
             while not port_file.exists() or not port_file.read_text().strip():
@@ -278,6 +315,8 @@ class Supervisor:
     async def _consume_beats(self, sub: Any) -> None:
         async for hb in sub.typed(Heartbeat):
             child = self._child_for_pid(hb.pid, hb.host)
+            if child is not None and hb.state == "running":
+                child.healthy = True
             self.table[hb.actor_id] = ActorStatus(
                 heartbeat=hb, last_seen=time.time(), supervised=child is not None,
                 restarts=child.total_restarts if child else 0,
@@ -378,6 +417,17 @@ class Supervisor:
                 self.alert(f"attach {req_text(raw.data)}: {reply.text}")
                 if raw.reply:
                     await bus.respond(raw.reply, reply)
+
+
+def log_tail(path: Path, lines: int = 40, start: int = 0) -> str:
+    """The last lines of a log from byte `start` on (a crashed child's traceback)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(start, f.seek(0, os.SEEK_END) - 64_000))
+            text = f.read().decode(errors="replace")
+    except OSError as exc:
+        return f"(cannot read the log: {exc})"
+    return "\n".join(text.splitlines()[-lines:]) or "(the log is empty)"
 
 
 def req_text(data: bytes) -> str:

@@ -26,6 +26,13 @@ COMMAND_MODULES = (
 )
 
 
+def reinforge_argv(*args: str) -> list[str]:
+    """The command line that runs `reinforge ARGS` as a child process: this interpreter, with
+    `-P` so the child's working directory never lands on `sys.path` (from a checkout, the
+    folder `kernels/` there would shadow the `kernels` distribution transformers imports)."""
+    return [sys.executable, "-P", "-m", "reinforge", *args]
+
+
 class UserError(Exception):
     """A mistake the user can fix: printed as one line, no traceback, exit 2."""
 

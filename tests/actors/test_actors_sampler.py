@@ -78,7 +78,7 @@ def test_a_sampler_config_needs_a_server_or_a_model_and_a_known_backend():
     with pytest.raises(ValueError, match="backend"):
         SamplerConfig(url="http://x", backend="vllm")
     cmd = server_command(SamplerConfig(model_path="/m", initial_version=3), "/tmp/p")
-    assert cmd[1:4] == ["-m", "reinforge", "serve"]
+    assert cmd[1:5] == ["-P", "-m", "reinforge", "serve"]
     assert cmd[cmd.index("--weight-version") + 1] == "3"
     sg = server_command(SamplerConfig(model_path="/m", backend="sglang"), "/tmp/p")
     assert sg[1:3] == ["-m", "sglang.launch_server"] and "--model-path" in sg

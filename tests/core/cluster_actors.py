@@ -40,3 +40,13 @@ class NoisyEcho(EchoActor):
             Echo(seq=msg.seq, body=f"{msg.body} #{random.random():.6f}"),
             msg_id=f"{self.ctx.run}:echo:{self.config.sink}:{msg.seq}",
         )
+
+
+class CrashingActor(Actor):
+    """Fails at every start, as an actor with a broken import or a wrong path would: a
+    planted crash loop."""
+
+    actor_type = "crasher"
+
+    async def setup(self) -> None:
+        raise RuntimeError("planted failure: this actor cannot start")

@@ -33,7 +33,7 @@ def cli(tmp_path):
     run.env = env
     run.home = tmp_path / "home"
     yield run
-    for name in ("smoke", "rec"):
+    for name in ("smoke", "rec", "crash"):
         run("down", "--run", name, check=False)
 
 
@@ -106,6 +106,25 @@ def test_up_status_restart_attach_down_leaves_no_process(cli):
         except (psutil.Error, OSError):
             continue
     assert leftovers == []
+
+
+def test_a_crash_looping_actor_stops_up_at_once_naming_it_with_its_traceback(cli, tmp_path):
+    crasher = HERE / "cluster_actors.py"
+    config = tmp_path / "crash.toml"
+    config.write_text(  # the health timeout is long: only the crash-loop rule can stop it
+        '[supervisor]\nhealthy_timeout_s = 900\n'
+        '[[actors]]\nspec = "reinforge.actors.echo:EchoActor"\n'
+        f'[[actors]]\nspec = "{crasher}:CrashingActor"\n')
+    for mode, code in (("--detach", 2), ("--foreground", 1)):
+        args = ["up", str(config), "--run", "crash"] + ([mode] if mode == "--detach" else [])
+        t0 = time.monotonic()
+        out = cli(*args, check=False, timeout=300)
+        print(f"{mode}: exit {out.returncode} after {time.monotonic() - t0:.1f} s")
+        assert out.returncode == code, out.stderr[-3000:]
+        assert "crasher-0 is crash-looping: it exited 3 times within 60 s" in out.stderr
+        assert "Traceback (most recent call last)" in out.stderr
+        assert "RuntimeError: planted failure: this actor cannot start" in out.stderr
+        assert "not healthy within" not in out.stderr
 
 
 def test_an_unknown_config_key_is_refused_with_its_name(cli, tmp_path):
