@@ -1,5 +1,5 @@
 # The two commands of the README. Both set up whatever is missing first.
-.PHONY: demo test bootstrap bench
+.PHONY: demo test bootstrap bench lock test-latest
 
 bootstrap:
 	bash scripts/bootstrap.sh
@@ -14,3 +14,12 @@ test: bootstrap
 
 bench: bootstrap
 	.venv/bin/python bench/bus.py --json
+
+# Re-resolve requirements.lock (uv) from pyproject.toml's ranges: newest allowed versions.
+lock:
+	bash scripts/lock.sh
+
+# Tomorrow's releases: the newest versions pyproject.toml allows, in a throwaway venv,
+# against a fast smoke subset. Run it before `make lock`, and now and then on main.
+test-latest: bootstrap
+	bash scripts/test_latest.sh $(PYTEST_ARGS)

@@ -36,7 +36,20 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install -q "${REINFORGE_TORCH:-torch==2.13.0}"
 fi
 
-step "reinforge and its dependencies"
-.venv/bin/pip install -q -e '.[test]'
+# Everything else at the exact versions of requirements.lock (`make lock` refreshes it),
+# then reinforge itself, editable, with nothing resolved anew. Skipped when the venv
+# already holds this lock.
+stamp=.venv/.reinforge-lock.sha256
+want="$(sha256sum requirements.lock pyproject.toml | sha256sum | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  step "locked dependencies (requirements.lock) and reinforge"
+  .venv/bin/pip install -q -r requirements.lock
+  # setuptools warns that the folder reinforge/ could shadow the package: it is the
+  # package. (The folders that could shadow others are handled in reinforge/__init__.py.)
+  PYTHONWARNINGS="ignore:Editable installation" \
+    .venv/bin/pip install -q --no-deps --no-build-isolation -e .
+  .venv/bin/pip check
+  echo "$want" > "$stamp"
+fi
 .venv/bin/reinforge --help >/dev/null
 echo "bootstrap: ready (.venv/bin/reinforge)"

@@ -84,6 +84,7 @@ def make_config(model_dir, tmp_path, **kw):
     return LearnerConfig(**base)
 
 
+@pytest.mark.smoke
 def test_learner_logprobs_match_generate_and_the_on_policy_ratio_is_exactly_one(
     tiny_model_dir, tmp_path
 ):

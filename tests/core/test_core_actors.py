@@ -34,6 +34,7 @@ def unique_seqs(msgs):
     return {x.seq for x in msgs}
 
 
+@pytest.mark.smoke
 def test_messages_flow_typed_from_one_actor_process_to_another(creds, creds_file, run_name, spawn):
     spawn("actor", "run", ECHO, "--run", run_name, "--creds", str(creds_file))
     spawn("actor", "run", SOURCE, "--run", run_name, "--creds", str(creds_file),

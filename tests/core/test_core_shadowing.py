@@ -97,6 +97,7 @@ def test_reinforge_up_from_the_repo_root_starts_actor_children_that_import_model
     assert Path(started.read_text()).resolve().parent == installed_kernels
 
 
+@pytest.mark.smoke
 def test_python_m_pytest_from_the_repo_root_imports_models_and_starts_an_actor(
         installed_kernels, creds_file, run_name, tmp_path):
     out = subprocess.run(

@@ -76,6 +76,7 @@ def check_item(item: dict, *, logprobs: bool = False) -> None:
         assert all(lp <= 0 and tok == tid for (lp, tok, _), tid in zip(lps, item["output_ids"]))
 
 
+@pytest.mark.smoke
 def test_generate_single_text_with_logprobs(server):
     r = server.post(
         "/generate",

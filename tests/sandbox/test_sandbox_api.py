@@ -72,6 +72,7 @@ def test_reset_removes_files_and_processes_of_the_previous_task(box):
     assert r.stdout_text.split()[-1] in ("1", "2", "3") and "a.txt" not in r.stdout_text
 
 
+@pytest.mark.smoke
 def test_run_task_starts_clean_and_returns_exact_output(box):
     first = box.run_task(
         {"a.py": "open('/tmp/keep', 'w').write('x')\nprint('one', end='')"}, ["python3", "a.py"]
