@@ -240,12 +240,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     p1_after = {d: s["pass_at_1"] for d, s in after["domains"].items()}
     common = [d for d in p1_before if d in p1_after]
     improvement = sum(p1_after[d] - p1_before[d] for d in common) / max(len(common), 1)
-    samples = count_scored(metrics)
+    outcomes = count_outcomes(metrics)
     result = {
         "eval_before": p1_before,
         "eval_after": p1_after,
         "improvement": round(improvement, 4),
-        "samples": samples,
+        "samples": sum(sum(by_outcome.values()) for by_outcome in outcomes.values()),
+        "outcomes": outcomes,
         "versions": version,
         "wall_s": round(time.time() - t0, 1),
         "report": report_path,
@@ -258,16 +259,31 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(json.dumps(result), flush=True)
     else:
         print(json.dumps(result, indent=2))
+    broken = infra_only_domains(outcomes)
+    if broken:  # what trained there trained on nothing: the run did not do its job
+        raise UserError(
+            "every check of " + ", ".join(f"{d} ({n})" for d, n in broken.items())
+            + " was an infrastructure error, so nothing was learned there; "
+            "`reinforge sandbox doctor` says what the sandbox set-up lacks")
     return 0
 
 
-def count_scored(metrics: Path) -> int:
+def count_outcomes(metrics: Path) -> dict[str, dict[str, int]]:
+    """Scored rollouts of the run, per domain and outcome (from the monitor's metrics)."""
+    counts: dict[str, dict[str, int]] = {}
     if not metrics.exists():
-        return 0
-    n = 0
+        return counts
     with open(metrics) as f:
         for line in f:
-            if '"kind": "scored"' in line or '"kind":"scored"' in line:
-                n += 1
-    return n
+            rec = json.loads(line)
+            if rec.get("kind") == "scored":
+                by_outcome = counts.setdefault(rec["domain"], {})
+                by_outcome[rec["outcome"]] = by_outcome.get(rec["outcome"], 0) + 1
+    return counts
+
+
+def infra_only_domains(outcomes: dict[str, dict[str, int]]) -> dict[str, int]:
+    """Domains whose every scored rollout was an infra_error, with how many there were."""
+    return {domain: sum(by_outcome.values()) for domain, by_outcome in outcomes.items()
+            if set(by_outcome) == {"infra_error"}}
 

@@ -105,6 +105,7 @@ import msgspec
 DEFAULT_IMAGE = "localhost/reinforge-sandbox-python:bookworm"
 DEFAULT_SANDBOX_USER = "reinforge-sandbox"
 LABEL = "reinforge.sandbox"
+LABELS_ENV = "REINFORGE_SANDBOX_LABELS"
 KEEPER_UID = 65534
 # Candidate uids: one per sandbox, inside the rootless user's 65536 sub-uid range.
 CANDIDATE_UID_BASE = 20000
@@ -225,7 +226,8 @@ class SandboxConfig(msgspec.Struct, frozen=True, kw_only=True):
     nice: int = 5
     """Niceness of candidate processes."""
     labels: dict[str, str] = {}
-    """Extra container labels (e.g. to find one run's containers); `reinforge.sandbox=1` always."""
+    """Extra container labels (e.g. to find one run's containers); `reinforge.sandbox=1` always,
+    and those of $REINFORGE_SANDBOX_LABELS (see `labels_from_env`)."""
 
     def __post_init__(self) -> None:
         if not self.exec_reap_s >= 0:
@@ -261,6 +263,19 @@ def podman_user() -> str:
     if os.geteuid() == 0:
         return os.environ.get("REINFORGE_SANDBOX_USER", DEFAULT_SANDBOX_USER)
     return pwd.getpwuid(os.geteuid()).pw_name
+
+
+def labels_from_env() -> dict[str, str]:
+    """Labels for every sandbox container this process (and its children) creates, from
+    $REINFORGE_SANDBOX_LABELS, "key=value,key=value": a job, or a test session, labels all
+    the containers it causes, however deep in its process tree, and removes them by label."""
+    labels = {}
+    for item in filter(None, os.environ.get(LABELS_ENV, "").split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"${LABELS_ENV}: {item!r} is not key=value")
+        labels[key.strip()] = value.strip()
+    return labels
 
 
 def default_podman_url() -> str:
@@ -629,7 +644,7 @@ class Sandbox:
         kwargs: dict[str, Any] = dict(
             command=["sleep", "infinity"],
             name=f"rf-sandbox-{uuid.uuid4().hex[:12]}",
-            labels={LABEL: "1", **config.labels, **(labels or {})},
+            labels={LABEL: "1", **labels_from_env(), **config.labels, **(labels or {})},
             network_mode="none",
             read_only=True,
             user=f"{KEEPER_UID}:{KEEPER_UID}",

@@ -13,9 +13,11 @@ echo "==> a throwaway venv: $VENV"
 python3 -m venv "$VENV"
 "$VENV/bin/pip" install -q --upgrade pip
 "$VENV/bin/pip" install -q "${REINFORGE_TORCH:-torch==2.13.0}"  # the CPU build first, as bootstrap
+# torch stays the build just installed: an eager upgrade would swap in the CUDA build.
+"$VENV/bin/python" -c 'import torch; print(f"torch=={torch.__version__}")' > "$VENV/torch.txt"
 echo "==> the newest allowed versions of everything else"
 PYTHONWARNINGS="ignore:Editable installation" \
-  "$VENV/bin/pip" install -q --upgrade --upgrade-strategy eager -e '.[test]'
+  "$VENV/bin/pip" install -q --upgrade --upgrade-strategy eager -c "$VENV/torch.txt" -e '.[test]'
 "$VENV/bin/pip" check
 
 echo "==> versions that differ from requirements.lock"

@@ -1,31 +1,10 @@
-"""Fixtures of the actor tests: rootless Podman (fail, never skip, in CI) and a tiny policy."""
+"""Fixtures of the actor tests: a tiny policy, its rollout server, a run's sandboxes."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-
-
-@pytest.fixture(scope="session")
-def podman_url() -> str:
-    from reinforge.envs.sandbox import DEFAULT_IMAGE, SandboxInfraError, connect, default_podman_url
-
-    url = default_podman_url()
-    try:
-        client = connect(url, timeout_s=10)
-        if not client.images.exists(DEFAULT_IMAGE):
-            raise SandboxInfraError(f"image {DEFAULT_IMAGE} missing")
-    except SandboxInfraError as exc:
-        msg = (
-            f"rootless Podman is not ready ({exc}); run `sudo scripts/setup_podman.sh` "
-            "then `reinforge sandbox doctor`"
-        )
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return url
 
 
 @pytest.fixture(scope="session")
@@ -36,40 +15,6 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
                          num_kv_heads=1, vocab_size=1024)
     return init_tiny_model(tmp_path_factory.mktemp("tiny") / "model", spec)
-
-
-@pytest.fixture(autouse=True)
-def drop_run_stream(request: pytest.FixtureRequest):
-    """After a test that used `run_name`, delete its run's stream.
-
-    Each run stream reserves `stream_max_bytes` (4 GiB) of the session nats-server's
-    JetStream store; without this, a long test session runs out of it
-    ("insufficient storage resources available")."""
-    if "run_name" not in request.fixturenames or "creds" not in request.fixturenames:
-        yield
-        return
-    creds = request.getfixturevalue("creds")
-    name_of_run = request.getfixturevalue("run_name")
-    yield
-    import asyncio
-
-    import nats
-    from nats.js.errors import NotFoundError
-    from reinforge.core.subjects import stream_name
-
-    name = stream_name(name_of_run)
-
-    async def drop() -> None:
-        nc = await nats.connect(creds.url, user=creds.user or None,
-                                password=creds.password or None)
-        try:
-            await nc.jetstream().delete_stream(name)
-        except NotFoundError:
-            pass
-        finally:
-            await nc.close()
-
-    asyncio.run(drop())
 
 
 def run_sandboxes(run: str) -> list:

@@ -8,23 +8,33 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.nats, pytest.mark.podman, pytest.mark.timeout(900)]
-
 ROOT = Path(__file__).parent.parent.parent
 
 
-def test_a_short_demo_advances_versions_scores_every_domain_and_writes_the_report(tmp_path):
+@pytest.mark.slow
+@pytest.mark.nats
+@pytest.mark.podman
+@pytest.mark.timeout(900)
+def test_a_short_demo_advances_versions_scores_every_domain_and_writes_the_report(
+        tmp_path, podman_url):
     env = dict(os.environ, REINFORGE_HOME=str(tmp_path / "home"))
-    out = subprocess.run(
-        [sys.executable, "-m", "reinforge", "demo", "--minutes", "4", "--run", "ci-demo",
-         "--domains", "math,code,docqa", "--groups-per-batch", "1", "--eval-k", "2",
-         "--eval-tasks-per-tier", "2", "--json"],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=840,
-    )
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "reinforge", "demo", "--minutes", "4", "--run", "ci-demo",
+             "--domains", "math,code,docqa", "--groups-per-batch", "1", "--eval-k", "2",
+             "--eval-tasks-per-tier", "2", "--json"],
+            env=env, cwd=ROOT, capture_output=True, text=True, timeout=840,
+        )
+    finally:  # even after a timeout: leave no cluster, nats-server or sandbox running
+        subprocess.run([sys.executable, "-m", "reinforge", "down", "--run", "ci-demo"],
+                       env=env, cwd=ROOT, capture_output=True, timeout=120)
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(result["eval_before"]) == set(result["eval_after"]) == {"math", "code", "docqa"}
     assert result["samples"] > 0
+    # code is checked in the sandbox: its checks must have run, not all failed as infra
+    code = result["outcomes"]["code"]
+    assert sum(n for outcome, n in code.items() if outcome != "infra_error") > 0, code
     assert result["versions"] >= 1, out.stderr[-3000:]
     run_dir = Path(result["run_dir"])
     scored = set()
@@ -48,3 +58,11 @@ def test_a_short_demo_advances_versions_scores_every_domain_and_writes_the_repor
         if e.get("REINFORGE_RUN") == "ci-demo" and e.get("REINFORGE_HOME") == env["REINFORGE_HOME"]:
             left.append(proc.pid)
     assert left == []
+
+
+def test_the_demo_names_a_domain_whose_every_check_was_an_infrastructure_error():
+    from reinforge.actors.demo import infra_only_domains
+
+    outcomes = {"math": {"pass": 3, "fail": 9}, "code": {"infra_error": 40},
+                "docqa": {"fail": 2, "infra_error": 5}}
+    assert infra_only_domains(outcomes) == {"code": 40}

@@ -1,17 +1,21 @@
 """The judge domain: rubric items judged separately, and the guards against gaming a judge.
 
 `FakeJudgeClient` is a deterministic stand-in for the judge model, used only to test
-the logic above the client (prompting, parsing, retries, guards).
+the logic above the client (prompting, parsing, retries, guards). The HTTP client
+itself (`SGLangJudgeClient`) is tested against a real HTTP server (`JudgeServer`).
 """
 
+import functools
 import json
 import random
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import httpx
 import pytest
 import trio
 from reinforge.envs.judge_domain import (
     JudgeDomain,
+    JudgeUnavailable,
     ModelItemJudge,
     RubricItem,
     SGLangJudgeClient,
@@ -139,31 +143,114 @@ def test_an_unreachable_judge_is_infra_error_not_zero():
     assert v.outcome == "infra_error" and "unreachable" in v.reason
 
 
-def test_sglang_client_speaks_the_generate_api():
-    seen = {}
+class JudgeServer(ThreadingHTTPServer):
+    """A real HTTP server on a free 127.0.0.1 port standing in for SGLang.
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen["path"] = request.url.path
-        seen["body"] = json.loads(request.content)
-        return httpx.Response(200, json={"text": " YES", "meta_info": {}})
+    It answers every POST with `reply` (status, body) and records what it received, so
+    the tests can check the request the real client sent.
+    """
 
-    class Patched(SGLangJudgeClient):
-        async def generate(self, prompt, *, max_new_tokens):
-            transport = httpx.MockTransport(handler)
-            async with httpx.AsyncClient(transport=transport, base_url=self.url) as c:
-                resp = await c.post(
-                    "/generate",
-                    json={
-                        "text": prompt,
-                        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens},
-                    },
-                )
-            return resp.json()["text"]
+    def __init__(self):
+        super().__init__(("127.0.0.1", 0), _JudgeHandler)
+        self.reply: tuple[int, bytes] = (200, b'{"text": " YES"}')
+        self.received: list[tuple[str, str, bytes]] = []  # (method, path, body)
 
-    d = JudgeDomain(judge=ModelItemJudge(Patched(url="http://judge")))
-    assert run(d, _task(rubric=["mentions apples"]), "apples").reward == 1.0
-    assert seen["path"] == "/generate"
-    assert seen["body"]["sampling_params"] == {"temperature": 0.0, "max_new_tokens": 4}
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+
+class _JudgeHandler(BaseHTTPRequestHandler):
+    server: JudgeServer
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.server.received.append((self.command, self.path, body))
+        status, reply = self.server.reply
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, format, *args):  # keep the test output clean
+        pass
+
+
+@pytest.fixture
+def judge_server():
+    server = JudgeServer()  # listening from here on: no need to wait for the thread
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+def judge_via(url: str):
+    """The domain with the real SGLang client, judging one rubric item."""
+    d = JudgeDomain(judge=ModelItemJudge(SGLangJudgeClient(url=url, timeout_s=10.0)))
+    return run(d, _task(rubric=["mentions apples"]), "I like apples.")
+
+
+@pytest.mark.parametrize(
+    "reply, reward, outcome",
+    [
+        (b'{"text": " YES", "meta_info": {"finish_reason": {"type": "length"}}}', 1.0, "pass"),
+        (b'{"text": " NO", "meta_info": {"finish_reason": {"type": "length"}}}', 0.0, "fail"),
+        (b'[{"text": "YES"}]', 1.0, "pass"),  # SGLang's batch form: the first item
+    ],
+    ids=["yes", "no", "batch"],
+)
+def test_the_judge_client_scores_from_a_real_server_reply(judge_server, reply, reward, outcome):
+    judge_server.reply = (200, reply)
+    # A trailing slash on the base URL must not turn the path into `//generate`.
+    v = judge_via(judge_server.url + "/")
+    assert (v.reward, v.outcome) == (reward, outcome)
+    ((method, path, raw),) = judge_server.received
+    assert (method, path) == ("POST", "/generate")
+    body = json.loads(raw)
+    assert body["sampling_params"] == {"temperature": 0.0, "max_new_tokens": 4}
+    assert "Criterion: mentions apples\n" in body["text"]
+    assert "\nI like apples.\nEND-" in body["text"]
+
+
+BAD_REPLIES = pytest.mark.parametrize(
+    "status, reply, fault",
+    [
+        (500, b'{"text": " YES"}', "answered HTTP 500"),  # a YES body does not rescue a 500
+        (404, b'{"detail": "Not Found"}', "answered HTTP 404"),
+        (200, b"<html>502 Bad Gateway</html>", "answered non-JSON"),
+        (200, b'{"meta_info": {"id": "x"}}', "answered without a `text` field"),
+        (200, b'{"text": null}', "answered without a `text` field"),
+        (200, b"[]", "answered without a `text` field"),
+    ],
+    ids=["http-500", "http-404", "not-json", "no-text", "null-text", "empty-batch"],
+)
+
+
+@BAD_REPLIES
+def test_the_judge_client_raises_judge_unavailable_naming_a_bad_reply(
+    judge_server, status, reply, fault
+):
+    judge_server.reply = (status, reply)
+    client = SGLangJudgeClient(url=judge_server.url, timeout_s=10.0)
+    with pytest.raises(JudgeUnavailable) as exc:
+        trio.run(functools.partial(client.generate, "Is it? YES or NO.", max_new_tokens=4))
+    assert str(exc.value) == f"judge at {judge_server.url} {fault}"
+    assert [r[1] for r in judge_server.received] == ["/generate"]
+
+
+@BAD_REPLIES
+def test_a_bad_judge_reply_is_an_infra_error_not_a_zero_reward(judge_server, status, reply, fault):
+    judge_server.reply = (status, reply)
+    v = judge_via(judge_server.url)
+    assert v.outcome == "infra_error"
+    assert v.reason == f"rubric[0]: judge at {judge_server.url} {fault}"
+    # An infrastructure fault is not retried like an unparseable reply: one request only.
+    assert len(judge_server.received) == 1
 
 
 @pytest.mark.parametrize("tier", range(4))

@@ -9,7 +9,6 @@ from reinforge.kernels.paged_kv import allocate_cache
 from reinforge.kernels.tvm_build import (
     KernelSpec,
     build_cuda_module,
-    configure_threads,
     host_target,
 )
 from reinforge.kernels.tvm_ops import TvmKVOps

@@ -21,11 +21,15 @@ def test_every_fault_kind_recovers_and_no_task_is_lost_or_counted_twice(tmp_path
     finally:
         sys.path.remove(str(ROOT / "bench"))
     env = dict(os.environ, REINFORGE_HOME=str(tmp_path / "home"))
-    out = subprocess.run(
-        [sys.executable, "bench/chaos.py", "--json", "--faults", str(len(KINDS)),
-         "--run", "ci-chaos", "--gap-min", "2", "--gap-max", "6", "--stall", "8"],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=1100,
-    )
+    try:
+        out = subprocess.run(
+            [sys.executable, "bench/chaos.py", "--json", "--faults", str(len(KINDS)),
+             "--run", "ci-chaos", "--gap-min", "2", "--gap-max", "6", "--stall", "8"],
+            env=env, cwd=ROOT, capture_output=True, text=True, timeout=1100,
+        )
+    finally:  # even after a timeout: leave no cluster, nats-server or sandbox running
+        subprocess.run([sys.executable, "-m", "reinforge", "down", "--run", "ci-chaos"],
+                       env=env, cwd=ROOT, capture_output=True, timeout=120)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["kinds"] == sorted(KINDS), (result, out.stderr[-3000:])
     assert result["not_recovered"] == [], out.stderr[-3000:]

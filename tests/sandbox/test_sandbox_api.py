@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import trio
 
@@ -83,6 +85,14 @@ def test_run_task_starts_clean_and_returns_exact_output(box):
         ["python3", "b.py"],
     )
     assert second.stdout_text.strip() == "['b.py'] []"
+
+
+def test_a_sandbox_carries_the_labels_of_its_environment_so_a_session_can_sweep_it(box, podman_url):
+    # tests/conftest.py puts this session's label in REINFORGE_SANDBOX_LABELS
+    session = os.environ["REINFORGE_TEST_SESSION"]
+    found = connect(podman_url, timeout_s=10).containers.list(
+        all=True, filters={"label": f"reinforge.test-session={session}"})
+    assert box.name in {c.name for c in found}
 
 
 def test_big_files_go_through_the_archive_path(box):

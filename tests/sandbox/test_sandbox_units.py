@@ -7,7 +7,15 @@ import tarfile
 
 import pytest
 
-from reinforge.envs.sandbox import SandboxConfig, _end_status, _frames, default_podman_url, make_tar
+from reinforge.envs.sandbox import (
+    LABELS_ENV,
+    SandboxConfig,
+    _end_status,
+    _frames,
+    default_podman_url,
+    labels_from_env,
+    make_tar,
+)
 from reinforge.envs.sandbox_pool import Job, PoolConfig
 
 
@@ -67,3 +75,11 @@ def test_podman_url_env_var_overrides_the_convention(monkeypatch):
     assert default_podman_url() == "unix:///somewhere/podman.sock"
     monkeypatch.delenv("REINFORGE_PODMAN_URL")
     assert default_podman_url().endswith("/podman/podman.sock")
+
+
+def test_sandbox_labels_come_from_the_environment_and_a_bad_one_is_named(monkeypatch):
+    monkeypatch.setenv(LABELS_ENV, "job=17, team = rl ,")
+    assert labels_from_env() == {"job": "17", "team": "rl"}
+    monkeypatch.setenv(LABELS_ENV, "job=17,oops")
+    with pytest.raises(ValueError, match="'oops' is not key=value"):
+        labels_from_env()
