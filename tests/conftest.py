@@ -9,7 +9,6 @@ HYPOTHESIS_PROFILE=explore for fresh random examples.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
@@ -21,13 +20,10 @@ import reinforge  # noqa: F401 - first: takes the checkout root off sys.path (se
 import pytest
 from hypothesis import settings
 
-from reinforge.core.natsd import EmbeddedNats, NatsCredentials, NatsServerError, find_nats_server
+from reinforge.core.natsd import EmbeddedNats, NatsServerError, find_nats_server
+from session_hygiene import SESSION_ENV, SESSION_LABEL, dropping_new_streams, sweep_session
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-SESSION_ENV = "REINFORGE_TEST_SESSION"
-"""Set for the session and inherited by every process it starts: the sweep finds them by it."""
-SESSION_LABEL = "reinforge.test-session"
-"""Put on every sandbox container the session causes (via REINFORGE_SANDBOX_LABELS)."""
 
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 settings.register_profile("explore", derandomize=False)
@@ -48,46 +44,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if left:
         print(f"\nsession sweep: removed what tests left running: {', '.join(left)}",
               file=sys.stderr)
-
-
-def sweep_session(session: str) -> list[str]:
-    """Kill the processes and remove the sandbox containers this session started."""
-    import psutil
-
-    procs = []
-    for proc in psutil.process_iter(["pid", "name"]):
-        try:
-            if proc.pid != os.getpid() and proc.environ().get(SESSION_ENV) == session:
-                procs.append(proc)
-        except (psutil.Error, OSError):
-            continue
-    left = [f"{p.info['name']} (pid {p.pid})" for p in procs]
-    for proc in procs:
-        try:
-            proc.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=5)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    return left + [f"container {name}" for name in remove_session_containers(session)]
-
-
-def remove_session_containers(session: str) -> list[str]:
-    from reinforge.envs.sandbox import SandboxInfraError, connect, default_podman_url
-
-    try:
-        client = connect(default_podman_url(), timeout_s=10)
-        containers = client.containers.list(
-            all=True, filters={"label": f"{SESSION_LABEL}={session}"})
-    except SandboxInfraError:  # no Podman here: the tests that needed it said so
-        return []
-    for container in containers:
-        container.remove(force=True)
-    return [container.name for container in containers]
 
 
 def require(condition: bool, why: str) -> None:
@@ -124,37 +80,8 @@ def _drop_the_streams_a_test_made(request: pytest.FixtureRequest):
     if "nats_server" not in request.fixturenames:
         yield
         return
-    creds = request.getfixturevalue("nats_server").credentials
-    before = asyncio.run(stream_names(creds))
-    yield
-    asyncio.run(delete_streams(creds, asyncio.run(stream_names(creds)) - before))
-
-
-async def stream_names(creds: NatsCredentials) -> set[str]:
-    import nats
-
-    nc = await nats.connect(creds.url, user=creds.user or None, password=creds.password or None)
-    try:
-        return {info.config.name for info in await nc.jetstream().streams_info()}
-    finally:
-        await nc.close()
-
-
-async def delete_streams(creds: NatsCredentials, names: set[str]) -> None:
-    import nats
-    from nats.js.errors import NotFoundError
-
-    if not names:
-        return
-    nc = await nats.connect(creds.url, user=creds.user or None, password=creds.password or None)
-    try:
-        for name in names:
-            try:
-                await nc.jetstream().delete_stream(name)
-            except NotFoundError:
-                pass
-    finally:
-        await nc.close()
+    with dropping_new_streams(request.getfixturevalue("nats_server").credentials):
+        yield
 
 
 @pytest.fixture(scope="session")
