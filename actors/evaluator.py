@@ -42,6 +42,7 @@ from reinforge.actors.evalsets import (
     build_heldout,
     require_clean,
 )
+from reinforge.actors.prompts import task_prompt_ids
 from reinforge.core import paths, subjects
 from reinforge.core.actor import Actor, Input
 from reinforge.core.messages import EvalStats, Rollback, Task, WeightsPublished, decode
@@ -291,13 +292,7 @@ class ServerSource:
         self.chat_template = chat_template
 
     def prompt_ids(self, prompt: str) -> list[int]:
-        tok = self.tokenizer
-        if self.chat_template and getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                           add_generation_prompt=True, tokenize=False)
-        else:
-            text = prompt + "\n"
-        return list(tok.encode(text, add_special_tokens=False))
+        return task_prompt_ids(self.tokenizer, prompt, chat_template=self.chat_template)
 
     async def complete(self, task: TaskSpec, n: int) -> list[str]:
         samples = await self.client.generate(

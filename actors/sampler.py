@@ -46,6 +46,7 @@ from reinforge.actors.rollout_client import (
     Sample,
     parse_weight_version,
 )
+from reinforge.actors.prompts import task_prompt_ids
 from reinforge.actors.sandboxing import hold_sandbox_runner, sandbox_labels
 from reinforge.core import subjects
 from reinforge.core.actor import Actor, Input, Reject, Retry
@@ -130,18 +131,6 @@ class EpisodeTrace(msgspec.Struct, kw_only=True):
     loss_mask: list[int]
     finish_reason: str
     weight_versions: list[str]
-
-
-def prompt_token_ids(tokenizer: Any, messages: list[dict[str, str]], *,
-                     chat_template: bool = True) -> list[int]:
-    """The prompt the policy sees: the tokenizer's chat template when it has one (and
-    `chat_template`), else the messages' contents, one per line."""
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                             tokenize=False)
-    else:
-        text = "\n".join(m["content"] for m in messages) + "\n"
-    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 class SamplerActor(Actor):
@@ -329,9 +318,6 @@ class SamplerActor(Actor):
 
     # -- tasks --------------------------------------------------------------------------
 
-    def _prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        return prompt_token_ids(self.tokenizer, messages, chat_template=self.config.chat_template)
-
     def _sampling_params(self, n: int, **extra: Any) -> dict[str, Any]:
         cfg: SamplerConfig = self.config
         params: dict[str, Any] = {
@@ -363,7 +349,8 @@ class SamplerActor(Actor):
         if msg.domain not in self.registry:
             raise Reject(f"task {msg.task_id}: unknown domain {msg.domain!r}")
         queued_s = max(0.0, time.time() - msg.sent_at)
-        prompt_ids = self._prompt_ids([{"role": "user", "content": msg.prompt}])
+        prompt_ids = task_prompt_ids(self.tokenizer, msg.prompt,
+                                     chat_template=self.config.chat_template)
         with self.ctx.waiting("weights update to finish", deadline_s=600):
             gen = self.gate.generation()
             await gen.__aenter__()

@@ -23,8 +23,9 @@ from typing import Any
 
 import msgspec
 from reinforge.actors import checkpoint as ckpt
+from reinforge.actors.prompts import task_prompt_ids
 
-SFT_FORMAT = "reinforge-sft/1"
+SFT_FORMAT = "reinforge-sft/2"  # 2: prompts through the chat template, as RL sees them
 
 
 class SFTConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -47,6 +48,8 @@ class SFTConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """Longer examples are dropped (counted)."""
     seed: int = 0
     torch_threads: int = 2
+    chat_template: bool = True
+    """Format prompts with the tokenizer's chat template (as the sampler's `chat_template`)."""
 
     def __post_init__(self) -> None:
         for name in ("num_examples", "steps", "batch_size", "max_len", "torch_threads"):
@@ -105,9 +108,10 @@ def demos_from_jsonl(path: str | Path) -> list[Demo]:
     return out
 
 
-def encode_demo(tokenizer: Any, demo: Demo) -> tuple[list[int], int]:
-    """(prompt ids + response ids + EOS, number of prompt tokens)."""
-    prompt = tokenizer.encode(demo.prompt)
+def encode_demo(tokenizer: Any, demo: Demo, *, chat_template: bool = True) -> tuple[list[int], int]:
+    """(prompt ids + response ids + EOS, number of prompt tokens). The prompt is built as
+    the sampler and the evaluator build it, so SFT trains the format RL shows."""
+    prompt = task_prompt_ids(tokenizer, demo.prompt, chat_template=chat_template)
     response = tokenizer.encode(demo.response, add_special_tokens=False)
     return prompt + response + [tokenizer.eos_token_id], len(prompt)
 
@@ -146,7 +150,7 @@ def run_sft(cfg: SFTConfig, progress: Callable[[str], None] = lambda s: None) ->
     tok = AutoTokenizer.from_pretrained(cfg.model)
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
     model.train()
-    examples = [encode_demo(tok, d) for d in demos]
+    examples = [encode_demo(tok, d, chat_template=cfg.chat_template) for d in demos]
     dropped = sum(len(ids) > cfg.max_len for ids, _ in examples)
     examples = [e for e in examples if len(e[0]) <= cfg.max_len]
     if not examples:

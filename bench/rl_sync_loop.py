@@ -44,7 +44,7 @@ from reinforge.actors.grpo import group_has_signal
 from reinforge.actors.learner import LearnerConfig, prepare_samples, sample_is_valid
 from reinforge.actors.rollout_client import RolloutClient, parse_weight_version
 from reinforge.actors.rollout_server import SamplerConfig, ServerProcess
-from reinforge.actors.sampler import prompt_token_ids
+from reinforge.actors.prompts import task_prompt_ids
 from reinforge.actors.scheduler import SchedulerConfig
 from reinforge.actors.trainer import Trainer
 from reinforge.actors.verifier import VerifierConfig, resource_limits, scored_from_verdict
@@ -192,7 +192,7 @@ class SyncLoop:
 
         async def one(i: int, name: str, spec: Any) -> None:
             prompt = self.domains[name].prompt(spec)
-            ids = prompt_token_ids(self.tokenizer, [{"role": "user", "content": prompt}])
+            ids = task_prompt_ids(self.tokenizer, prompt)
             samples = await self.client.generate(input_ids=ids, sampling_params={
                 "n": self.s.group_size, "temperature": 1.0, "top_p": 1.0,
                 "max_new_tokens": self.s.max_new_tokens})

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import trio
 import trio.testing
+from transformers import AutoTokenizer
 from reinforge.actors.rollout_client import (
     RolloutClient,
     RolloutRequestError,
@@ -18,7 +19,9 @@ from reinforge.actors.rollout_client import (
     parse_sample,
     parse_weight_version,
 )
+from reinforge.actors.prompts import task_prompt_ids
 from reinforge.actors.sampler import GenerationGate, SamplerActor, SamplerConfig, server_command
+from reinforge.actors.sft import Demo, encode_demo
 from reinforge.core import messages as m
 from reinforge.core import subjects
 from reinforge.core.actor import RuntimeConfig, run_actor
@@ -321,6 +324,11 @@ def test_a_sampler_in_a_cluster_reloads_every_version_and_labels_each_rollout_wi
             assert r.prompt_ids and r.output_ids and len(r.logprobs) == len(r.output_ids)
             assert all(lp <= 0.0 for lp in r.logprobs)
             assert r.timings.generate_s > 0
+        # the prompt the policy saw is the one SFT trains and the evaluator measures
+        tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+        for r in got.values():
+            sft_ids, n_prompt = encode_demo(tok, Demo(prompt=r.prompt, response="x"))
+            assert list(r.prompt_ids) == sft_ids[:n_prompt] == task_prompt_ids(tok, r.prompt)
         assert all(got[f"c{i}:0:1"].policy_version == 2 for i in range(6))
         assert all(got[f"b{i}:0:1"].policy_version >= 1 for i in range(6))
         assert {r.policy_version for r in got.values()} >= {1, 2}

@@ -7,7 +7,14 @@ import sys
 import pytest
 import torch
 from reinforge.actors import checkpoint as ckpt
-from reinforge.actors.sft import Demo, SFTConfig, demos_from_domains, demos_from_jsonl, run_sft
+from reinforge.actors.sft import (
+    Demo,
+    SFTConfig,
+    demos_from_domains,
+    demos_from_jsonl,
+    encode_demo,
+    run_sft,
+)
 
 
 def cfg(model, out, **kw):
@@ -81,3 +88,20 @@ def test_the_sft_command_prints_a_final_json_line(tiny_model_dir, tmp_path):
                           "--out", str(out)], capture_output=True, text=True, timeout=120,
                          check=False)
     assert bad.returncode == 2 and "no config.json there" in bad.stderr
+
+
+def test_sft_builds_a_task_prompt_exactly_as_the_evaluator_and_the_sampler_do(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from reinforge.actors.evaluator import ServerSource
+    from reinforge.actors.prompts import task_prompt_ids
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    assert tok.chat_template  # the tiny policy has one: the formats could differ
+    prompt = "What is 2 + 3?"
+    ids, n_prompt = encode_demo(tok, Demo(prompt=prompt, response="5"))
+    evaluator = ServerSource(None, tok, max_new_tokens=8, temperature=0.0)
+    sampled = task_prompt_ids(tok, prompt)  # what the sampler sends (its test checks that)
+    assert ids[:n_prompt] == evaluator.prompt_ids(prompt) == sampled
+    assert "<|im_start|>assistant" in tok.decode(ids[:n_prompt])
+    assert ids[n_prompt:] == tok.encode("5", add_special_tokens=False) + [tok.eos_token_id]
