@@ -26,6 +26,16 @@ arXiv 2503.20783; DAPO, arXiv 2503.14476):
 * The KL penalty uses the k3 estimator exp(r - c) - (r - c) - 1 with r the reference and c
   the current logprob (DeepSeekMath eq. 4), added to the loss with coefficient `kl_coef`
   and aggregated token-level like the policy loss.
+* "Valid token" means inside the sequence AND the policy's own: in multi-turn episodes the
+  environment's text sits among the output tokens with a loss mask of 0 (and behaviour
+  logprob 0.0); it is context, never a term of the loss, the ratio figures, the KL or the
+  token count.
+* Truncated importance sampling (TIS; verl and slime's fix for the inference/training
+  mismatch, e.g. the rollout engine's int8 KV cache) is `tis_policy_terms`: the PPO ratio is
+  taken to the learner's own old logprobs, and each token's term is multiplied by the
+  detached weight min(exp(logp_old - logp_behaviour), cap). Our learner makes one optimizer
+  step per batch, so its old logprobs are its current ones, detached (see there for what
+  that does to the clip).
 """
 
 from __future__ import annotations
@@ -178,6 +188,94 @@ def clipped_policy_terms(
     loss = -torch.minimum(unclipped, clipped) * m
     chose_clipped = (clipped < unclipped).to(logp.dtype) * m
     return PolicyLossTerms(loss=loss, ratio=ratio.detach(), clipped=chose_clipped.detach())
+
+
+class TisWeights(NamedTuple):
+    """Per-token truncated importance weights (all [B, T], detached)."""
+
+    weight: torch.Tensor
+    """min(exp(logp_old - logp_behaviour), cap); 1 where mask is 0."""
+    capped: torch.Tensor
+    """1.0 where the weight was truncated at the cap, else 0.0 (0 where mask is 0)."""
+
+
+def truncated_is_weights(
+    logp_old: torch.Tensor, logp_behaviour: torch.Tensor, mask: torch.Tensor, *, cap: float
+) -> TisWeights:
+    """TIS weights from the rollout engine's logprobs to the learner's: min(exp(old - b), C).
+
+    Only the top is truncated (as verl and slime do): a token the engine found likelier than
+    the learner does is down-weighted without limit, one it found less likely is up-weighted
+    at most C times. `cap` must be >= 1, or on-policy tokens would be down-weighted too.
+    """
+    if logp_old.shape != logp_behaviour.shape or logp_old.shape != mask.shape:
+        raise ValueError(
+            f"logp_old {tuple(logp_old.shape)}, logp_behaviour {tuple(logp_behaviour.shape)} "
+            f"and mask {tuple(mask.shape)} must have one shape"
+        )
+    if cap < 1.0:
+        raise ValueError(f"the TIS cap must be >= 1, got {cap}")
+    m = mask.to(logp_old.dtype)
+    raw = torch.exp((logp_old.detach() - logp_behaviour) * m)  # exactly 1 where masked
+    return TisWeights(weight=torch.clamp(raw, max=cap), capped=(raw > cap).to(m.dtype) * m)
+
+
+def tis_policy_terms(
+    logp: torch.Tensor,
+    logp_behaviour: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    cap: float,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+) -> tuple[PolicyLossTerms, TisWeights]:
+    """The clipped surrogate with truncated importance sampling, per token.
+
+    loss = w * -min(r * A, clamp(r, 1 - clip_low, 1 + clip_high) * A), with
+    r = exp(logp - logp_old) the PPO ratio to the learner's old policy and
+    w = min(exp(logp_old - logp_behaviour), cap) the detached TIS weight (verl's and slime's
+    formulation). Where this departs: the learner has no old logprobs of its own apart from
+    this forward pass, and it makes one optimizer step per batch, so logp_old is `logp`
+    detached. Hence r == 1 with gradient d logp, the clip never binds (`clipped` is all 0),
+    and the gradient is -w * A * d logp: the whole gap between the rollout engine and the
+    learner (KV-cache quantization, and for stale samples the policy's drift too) is
+    corrected by w truncated at `cap`, instead of being clipped at 1 +- clip as if the policy
+    had moved. Without truncation or clipping this is the same gradient as
+    `clipped_policy_terms`; they differ where that one clips and where w reaches the cap.
+    """
+    old = logp.detach()
+    terms = clipped_policy_terms(logp, old, advantages, mask, clip_low=clip_low,
+                                 clip_high=clip_high)
+    tis = truncated_is_weights(old, logp_behaviour, mask, cap=cap)
+    return terms._replace(loss=terms.loss * tis.weight.to(terms.loss.dtype)), tis
+
+
+def abs_logprob_gaps(
+    logp: torch.Tensor, logp_behaviour: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """|logp - logp_behaviour| in nats for each token where mask is 1, as a 1-D tensor."""
+    if logp.shape != logp_behaviour.shape or logp.shape != mask.shape:
+        raise ValueError(
+            f"logp {tuple(logp.shape)}, logp_behaviour {tuple(logp_behaviour.shape)} and "
+            f"mask {tuple(mask.shape)} must have one shape"
+        )
+    return (logp.detach() - logp_behaviour).abs()[mask.bool()]
+
+
+class GapSummary(NamedTuple):
+    mean_nats: float
+    max_nats: float
+    share_over: float
+    """Share of the tokens whose gap exceeds the threshold (strictly)."""
+
+
+def summarise_gaps(gaps_nats: torch.Tensor, threshold_nats: float) -> GapSummary:
+    """Mean, max and share above `threshold_nats` of logprob gaps (all 0 without tokens)."""
+    if gaps_nats.numel() == 0:
+        return GapSummary(0.0, 0.0, 0.0)
+    return GapSummary(mean_nats=float(gaps_nats.mean()), max_nats=float(gaps_nats.max()),
+                      share_over=float((gaps_nats > threshold_nats).double().mean()))
 
 
 def k3_kl(logp: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

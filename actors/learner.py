@@ -54,6 +54,7 @@ from reinforge.core.actor import Actor, Input, Ticket, ack_all
 from reinforge.core.messages import (
     Outcome,
     Rollback,
+    Rollout,
     ScoredRollout,
     TrainStats,
     WeightsPublished,
@@ -83,6 +84,17 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     clip_low: float = 0.2
     """PPO clip: the ratio is clamped to [1 - clip_low, 1 + clip_high]."""
     clip_high: float = 0.2
+    tis_cap: float = 2.0
+    """Truncated importance sampling: each token's policy-gradient term is weighted by
+    min(exp(logp_learner - logp_behaviour), tis_cap), detached, and the PPO ratio is taken to
+    the learner's own logprobs (`grpo.tis_policy_terms`); 0 = off (the ratio is taken to the
+    behaviour logprobs and clipped). On by default because the learner cannot know which KV
+    cache produced a rollout (a Rollout does not say, and the rollout server may be SGLang),
+    and the embedded engine's default int8 KV cache puts up to ~0.25 nats between its
+    logprobs and the learner's. Must be 0 or >= 1."""
+    logp_mismatch_threshold_nats: float = 0.1
+    """TrainStats.logp_mismatch_share_over counts policy tokens whose |logp_learner -
+    logp_behaviour| exceeds this."""
     kl_coef: float = 0.0
     """Weight of the k3 KL to the frozen reference (0: no reference model is loaded)."""
     temperature: float = 1.0
@@ -111,9 +123,12 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             if getattr(self, name) < 1:
                 raise ValueError(f"learner config: {name} must be >= 1, got {getattr(self, name)}")
         for name in ("group_size", "max_staleness", "kl_coef", "weight_decay", "max_grad_norm",
-                     "clip_low", "clip_high"):
+                     "clip_low", "clip_high", "logp_mismatch_threshold_nats"):
             if getattr(self, name) < 0:
                 raise ValueError(f"learner config: {name} must be >= 0, got {getattr(self, name)}")
+        if not (self.tis_cap == 0 or self.tis_cap >= 1):
+            raise ValueError(f"learner config: tis_cap must be 0 (off) or >= 1, got {self.tis_cap}"
+                             " (a cap below 1 would down-weight on-policy tokens)")
         if (self.learning_rate <= 0 or self.temperature <= 0 or self.ack_wait_s <= 0
                 or self.incomplete_group_timeout_s <= 0):
             raise ValueError("learner config: learning_rate, temperature, ack_wait_s and "
@@ -150,15 +165,24 @@ class Group:
 
 
 def sample_is_valid(s: ScoredRollout) -> bool:
-    """Trainable: not an infra error, with token ids and one behaviour logprob per token."""
+    """Trainable: not an infra error, with token ids, one behaviour logprob per token, and a
+    loss mask that is empty (single-turn: all policy tokens) or one 0/1 per token."""
     r = s.rollout
     return (
         s.outcome != Outcome.INFRA_ERROR
         and bool(r.prompt_ids)
         and bool(r.output_ids)
         and len(r.logprobs) == len(r.output_ids)
+        and (not r.loss_mask or (len(r.loss_mask) == len(r.output_ids)
+                                 and set(r.loss_mask) <= {0, 1}))
         and math.isfinite(s.reward)
     )
+
+
+def loss_mask_of(r: Rollout) -> list[int]:
+    """1 per policy token, 0 per environment token; the sampler leaves single-turn rollouts'
+    mask empty, which means every output token is the policy's."""
+    return list(r.loss_mask) if r.loss_mask else [1] * len(r.output_ids)
 
 
 class GroupBuffer:
@@ -242,6 +266,8 @@ class TrainSample(msgspec.Struct, frozen=True, kw_only=True):
     advantage: float
     reward: float
     policy_version: int
+    loss_mask: list[int]
+    """Per output token: 1 = the policy's (trained), 0 = environment text (context only)."""
 
 
 def prepare_samples(
@@ -269,7 +295,7 @@ def prepare_samples(
                 out.append(TrainSample(
                     rollout_id=r.rollout_id, domain=r.domain, prompt_ids=list(r.prompt_ids),
                     output_ids=list(r.output_ids), logprobs=list(r.logprobs), advantage=a,
-                    reward=s.reward, policy_version=r.policy_version,
+                    reward=s.reward, policy_version=r.policy_version, loss_mask=loss_mask_of(r),
                 ))
     figures: dict[str, float] = {"masked_samples": float(len(flat) - sum(valid))}
     by_domain: dict[str, list[float]] = collections.defaultdict(list)
@@ -285,6 +311,21 @@ def prepare_samples(
         figures["adv_std"] = (sum((a - mean) ** 2 for a in advs) / len(advs)) ** 0.5
         figures["adv_abs_max"] = max(abs(a) for a in advs)
     return out, figures
+
+
+_TRAIN_STATS_TYPED = tuple(
+    f for f in TrainStats.__struct_fields__
+    if f not in ("sent_at", "version", "step", "loss", "figures")
+)
+
+
+def train_stats(version: int, step: int, figures: dict[str, float]) -> TrainStats:
+    """The step's TrainStats: figures that have a field of their own (logprob mismatch, TIS)
+    go there, the others stay in `figures`."""
+    typed = {k: figures[k] for k in _TRAIN_STATS_TYPED if k in figures}
+    rest = {k: v for k, v in figures.items() if k not in typed}
+    return TrainStats(version=version, step=step, loss=figures.get("loss", 0.0), figures=rest,
+                      **typed)
 
 
 class DecisionJournal:
@@ -536,8 +577,8 @@ class Learner(Actor):
             **self.buffer.statistics(), **{k: float(v) for k, v in self.counters.items()},
         })
         self._in_flight = []
-        await self.ctx.publish(subjects.stats(self.ctx.run, "learner"), TrainStats(
-            version=version, step=self.step, loss=figures.get("loss", 0.0), figures=figures))
+        await self.ctx.publish(subjects.stats(self.ctx.run, "learner"),
+                               train_stats(version, self.step, figures))
 
     async def _apply_rollback(self) -> None:
         """Return to the checkpoint a Rollback names; see the module's invariants."""

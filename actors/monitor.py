@@ -230,7 +230,7 @@ class MonitorState:
                                                                   self.train.version):
                 self.train = msg
             return {"t": now, "kind": "train", "version": msg.version, "step": msg.step,
-                    "loss": msg.loss, "figures": dict(msg.figures)}
+                    "loss": msg.loss, "figures": train_figures(msg)}
         if isinstance(msg, EvalStats):
             key = (msg.version, msg.domain)
             if key in self._eval_seen:
@@ -282,7 +282,7 @@ class MonitorState:
             staleness_max=max(stale) if stale else None,
             train_step=train.step if train else None,
             train_loss=train.loss if train else None,
-            train_figures=dict(train.figures) if train else {},
+            train_figures=train_figures(train) if train else {},
             eta_s=self._eta(now),
             target_version=self.target_version,
             domains=[self._domain(d, [x for x in recent if x.domain == d], span)
@@ -353,6 +353,19 @@ class MonitorState:
 
 def _mean(xs: list[float] | list[int]) -> float | None:
     return sum(xs) / len(xs) if xs else None
+
+
+_TRAIN_STATS_FIGURES = tuple(
+    f for f in TrainStats.__struct_fields__
+    if f not in ("sent_at", "version", "step", "loss", "figures")
+)
+
+
+def train_figures(msg: TrainStats) -> dict[str, float]:
+    """A step's figures with its typed ones (logprob mismatch, TIS) that it reports, so the
+    JSONL, TensorBoard, /metrics and the snapshot show them like any other."""
+    typed = {f: getattr(msg, f) for f in _TRAIN_STATS_FIGURES}
+    return {**msg.figures, **{f: float(v) for f, v in typed.items() if v is not None}}
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -660,6 +673,18 @@ def _tiers(mix: dict[str, float]) -> str:
     return " ".join(f"t{t}:{share:.0%}" for t, share in mix.items()) or "-"
 
 
+def _mismatch_text(figures: dict[str, float]) -> str:
+    """Rollout vs learner logprob gap (nats) and the TIS weights, in one short phrase."""
+    text = (f"|dlogp| mean {figures['logp_mismatch_mean_nats']:.3f} "
+            f"max {figures.get('logp_mismatch_max_nats', 0.0):.3f} nats, "
+            f"{figures.get('logp_mismatch_share_over', 0.0):.1%} "
+            f"> {figures.get('logp_mismatch_threshold_nats', 0.0):g}")
+    if "tis_weight_mean" in figures:
+        text += (f"; TIS w {figures['tis_weight_mean']:.3f} "
+                 f"capped {figures.get('tis_capped_share', 0.0):.1%}")
+    return text
+
+
 def render_line(snap: Snapshot) -> str:
     """One plain line for logs and non-TTY output."""
     parts = [
@@ -671,6 +696,8 @@ def render_line(snap: Snapshot) -> str:
     ]
     if snap.train_step is not None:
         parts.append(f"step {snap.train_step} loss {_f(snap.train_loss, '.4f')}")
+        if "logp_mismatch_mean_nats" in snap.train_figures:
+            parts.append(_mismatch_text(snap.train_figures))
     for d in snap.domains:
         evals = f" eval@1 {d.eval_pass_at_1:.2f}" if d.eval_pass_at_1 is not None else ""
         parts.append(
@@ -707,6 +734,8 @@ def render_rich(snap: Snapshot) -> Any:
         figs = "  ".join(f"{k} {v:.3g}" for k, v in sorted(snap.train_figures.items())[:8])
         lines.append(Text(f"learner step {snap.train_step}  loss {_f(snap.train_loss, '.4f')}"
                           f"  {figs}", style="dim"))
+        if "logp_mismatch_mean_nats" in snap.train_figures:
+            lines.append(Text(_mismatch_text(snap.train_figures), style="dim"))
     if snap.rollbacks:
         lines.append(Text(f"rollbacks: {snap.rollbacks}", style="bold red"))
 

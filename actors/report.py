@@ -107,6 +107,22 @@ def train_samples(scored: list[Record]) -> list[Record]:
     return train or scored
 
 
+def logprob_gap_over_run(train: list[Record]) -> dict[str, float]:
+    """Rollout vs learner logprob gap and TIS over every learner step that reported them:
+    mean of the per-step means, max of the maxima, mean capped share ({} if none did)."""
+    figs = [r.get("figures", {}) for r in train]
+    gaps = [f for f in figs if "logp_mismatch_mean_nats" in f]
+    out: dict[str, float] = {}
+    if gaps:
+        means = [f["logp_mismatch_mean_nats"] for f in gaps]
+        out["logp_mismatch_mean_nats"] = sum(means) / len(means)
+        out["logp_mismatch_max_nats"] = max(f.get("logp_mismatch_max_nats", 0.0) for f in gaps)
+    capped = [f["tis_capped_share"] for f in figs if "tis_capped_share" in f]
+    if capped:
+        out["tis_capped_share_mean"] = sum(capped) / len(capped)
+    return out
+
+
 def summarise(records: list[Record]) -> tuple[dict[str, Any], dict[str, dict[str, Any]],
                                               dict[str, dict[str, Any]], list[str]]:
     """The final figures: global, per domain, per process type; and what is missing."""
@@ -150,6 +166,7 @@ def summarise(records: list[Record]) -> tuple[dict[str, Any], dict[str, dict[str
         "staleness_mean": _mean(stale),
         "staleness_max": max(stale) if stale else None,
     }
+    figures.update(logprob_gap_over_run(train))
     if train:
         for name, value in sorted(train[-1].get("figures", {}).items()):
             figures[f"learner_{name}"] = value
@@ -426,6 +443,9 @@ FIGURE_LABELS = {
     "versions_published": "versions published", "rollbacks": "rollbacks",
     "train_steps": "learner steps", "final_loss": "final loss",
     "staleness_mean": "staleness (mean versions)", "staleness_max": "staleness (max)",
+    "logp_mismatch_mean_nats": "rollout vs learner |Δlogp| (mean of steps, nats)",
+    "logp_mismatch_max_nats": "rollout vs learner |Δlogp| (max, nats)",
+    "tis_capped_share_mean": "TIS: share of tokens capped (mean of steps)",
 }
 
 PLOTS = [

@@ -3,6 +3,9 @@
 Synchronous and free of I/O except loading the model: the learner actor runs `train_step`
 in a worker thread and owns everything about the bus and checkpoints. The maths come from
 `reinforge.actors.grpo`; this module only batches sequences and accumulates gradients.
+Every per-token term (loss, ratio and clip figures, KL, token count) is over the policy's
+own tokens: inside the sequence and with loss mask 1 (environment text in multi-turn
+episodes has 0).
 """
 
 from __future__ import annotations
@@ -12,7 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from reinforge.actors.grpo import clipped_policy_terms, k3_kl, token_logprobs, token_mean
+from reinforge.actors.grpo import (
+    abs_logprob_gaps,
+    clipped_policy_terms,
+    k3_kl,
+    summarise_gaps,
+    tis_policy_terms,
+    token_logprobs,
+    token_mean,
+)
 
 
 def load_policy(model_dir: str | Path) -> Any:
@@ -55,6 +66,15 @@ def sequence_logprobs(
     targets = ids[rows, (pos + 1).clamp(max=length - 1)]
     logp = token_logprobs(picked, targets, temperature) * mask
     return logp, mask
+
+
+def padded(rows: list[list[float]] | list[list[int]], width: int,
+           dtype: torch.dtype) -> torch.Tensor:
+    """Rows right-padded with zeros to `width` columns, as one [len(rows), width] tensor."""
+    out = torch.zeros((len(rows), width), dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+    return out
 
 
 class Trainer:
@@ -111,30 +131,46 @@ class Trainer:
         }
 
     def train_step(self, samples: list[Any], version: int) -> dict[str, float]:
-        """One optimizer step over `samples` (TrainSample-like); returns its figures."""
+        """One optimizer step over `samples` (TrainSample-like); returns its figures.
+
+        Figures are over policy tokens (loss mask 1). `ratio_mean`, `kl_behaviour` and the
+        `logp_mismatch_*` figures compare the learner's logprobs now with the behaviour
+        logprobs the rollouts carry: for samples of the learner's own version (staleness 0)
+        that gap is purely inference vs training (e.g. the engine's quantized KV cache), for
+        older ones it includes the policy's drift. `clip_frac` is 0 while TIS is on (see
+        `grpo.tis_policy_terms`).
+        """
         cfg = self.cfg
         if not samples:
             raise ValueError("train_step needs at least one sample")
         t0 = time.perf_counter()
-        num_tokens = sum(len(s.output_ids) for s in samples)
-        sums = dict.fromkeys(("loss", "policy_loss", "kl_ref", "kl_behaviour", "clip", "ratio"),
-                             0.0)
+        num_tokens = sum(sum(s.loss_mask) for s in samples)
+        per_token = max(num_tokens, 1)  # a batch of environment text only: figures are 0
+        sums = dict.fromkeys(("loss", "policy_loss", "kl_ref", "kl_behaviour", "clip", "ratio",
+                              "tis_weight", "tis_capped"), 0.0)
         on_policy_dev = 0.0
+        gaps: list[torch.Tensor] = []
         self.optimizer.zero_grad(set_to_none=True)
         for start in range(0, len(samples), cfg.micro_batch_size):
             mb = samples[start : start + cfg.micro_batch_size]
             prompts = [s.prompt_ids for s in mb]
             outputs = [s.output_ids for s in mb]
-            logp, mask = sequence_logprobs(
+            logp, in_seq = sequence_logprobs(
                 self.model, prompts, outputs, temperature=cfg.temperature, pad_id=self.pad_id
             )
-            old = torch.zeros_like(logp)
-            for i, s in enumerate(mb):
-                old[i, : len(s.logprobs)] = torch.tensor(s.logprobs, dtype=logp.dtype)
+            width = logp.shape[1]
+            mask = padded([s.loss_mask for s in mb], width, logp.dtype) * in_seq
+            old = padded([s.logprobs for s in mb], width, logp.dtype)
             adv = torch.tensor([s.advantage for s in mb], dtype=logp.dtype)
-            terms = clipped_policy_terms(
-                logp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high
-            )
+            if cfg.tis_cap > 0:
+                terms, tis = tis_policy_terms(logp, old, adv, mask, cap=cfg.tis_cap,
+                                              clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+                sums["tis_weight"] += float((tis.weight * mask).sum())
+                sums["tis_capped"] += float(tis.capped.sum())
+            else:
+                terms = clipped_policy_terms(
+                    logp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high
+                )
             policy_loss = token_mean(terms.loss, mask, num_tokens)
             loss = policy_loss
             if self.reference is not None:
@@ -149,17 +185,20 @@ class Trainer:
                 sums["loss"] += loss.item()
                 sums["policy_loss"] += policy_loss.item()
                 sums["kl_behaviour"] += float(token_mean(k3_kl(logp, old, mask), mask, num_tokens))
-                sums["clip"] += float(terms.clipped.sum()) / num_tokens
-                sums["ratio"] += float((terms.ratio * mask).sum()) / num_tokens
+                sums["clip"] += float(terms.clipped.sum()) / per_token
+                ratio = torch.exp((logp - old) * mask)  # to the behaviour policy, 1 off-mask
+                sums["ratio"] += float((ratio * mask).sum()) / per_token
                 fresh = torch.tensor([s.policy_version == version for s in mb]).unsqueeze(1)
-                dev = ((terms.ratio - 1.0).abs() * mask * fresh).max()
+                dev = ((ratio - 1.0).abs() * mask * fresh).max()
                 on_policy_dev = max(on_policy_dev, float(dev))
+                gaps.append(abs_logprob_gaps(logp, old, mask))
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
         )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         compute_s = time.perf_counter() - t0
+        mismatch = summarise_gaps(torch.cat(gaps), cfg.logp_mismatch_threshold_nats)
         figures = {
             "loss": sums["loss"],
             "policy_loss": sums["policy_loss"],
@@ -172,7 +211,14 @@ class Trainer:
             "samples": float(len(samples)),
             "compute_s": compute_s,
             "tokens_per_s": num_tokens / compute_s if compute_s > 0 else 0.0,
+            "logp_mismatch_mean_nats": mismatch.mean_nats,
+            "logp_mismatch_max_nats": mismatch.max_nats,
+            "logp_mismatch_share_over": mismatch.share_over,
+            "logp_mismatch_threshold_nats": cfg.logp_mismatch_threshold_nats,
         }
+        if cfg.tis_cap > 0:
+            figures["tis_weight_mean"] = sums["tis_weight"] / per_token
+            figures["tis_capped_share"] = sums["tis_capped"] / per_token
         if self.reference is not None:
             figures["kl_ref"] = sums["kl_ref"]
         return figures

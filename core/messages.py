@@ -118,6 +118,18 @@ class TrainStats(_Msg, frozen=True, tag="train-stats/1"):
     step: int
     loss: float
     figures: dict[str, float] = {}
+    # Over the step's policy tokens (loss mask 1): |learner logprob - behaviour logprob|.
+    # None: not reported (a learner from before these fields).
+    logp_mismatch_mean_nats: float | None = None
+    logp_mismatch_max_nats: float | None = None
+    logp_mismatch_share_over: float | None = None
+    """Share of policy tokens whose gap exceeds `logp_mismatch_threshold_nats`."""
+    logp_mismatch_threshold_nats: float | None = None
+    # Truncated importance sampling; None: TIS off (or not reported).
+    tis_weight_mean: float | None = None
+    """Mean TIS weight min(exp(logp_learner - logp_behaviour), cap) over policy tokens."""
+    tis_capped_share: float | None = None
+    """Share of policy tokens whose TIS weight was truncated at the cap."""
 
 
 class EvalStats(_Msg, frozen=True, tag="eval-stats/1"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import torch
 from reinforge.core import messages as m
 
@@ -46,17 +47,47 @@ def generate_group(model_dir: Path | str, *, task_id: str, version: int, group_s
 
 def synthetic_group(task_id: str, rewards: list[float], *, version: int = 0,
                     domain: str = "math", infra: tuple[int, ...] = (),
-                    tokens: int = 4) -> list[m.ScoredRollout]:
+                    tokens: int = 4, loss_mask: list[int] | None = None) -> list[m.ScoredRollout]:
+    """One group of made-up rollouts; `loss_mask` (one per output token, the same for every
+    sample) makes them multi-turn-style, with environment text where it is 0."""
     out = []
     for i, reward in enumerate(rewards):
         rollout = m.Rollout(
             rollout_id=f"{task_id}:{i}:1", task_id=task_id, sample_index=i, domain=domain,
             tier=0, prompt="p", completion="c", prompt_ids=[5, 6, 7],
             output_ids=[10 + i + k for k in range(tokens)], logprobs=[-1.0] * tokens,
-            policy_version=version, group_size=len(rewards),
+            policy_version=version, group_size=len(rewards), loss_mask=list(loss_mask or []),
         )
         bad = i in infra
         out.append(m.ScoredRollout(
             rollout=rollout, reward=0.0 if bad else reward,
             outcome=m.Outcome.INFRA_ERROR if bad else m.Outcome.FAIL))
     return out
+
+
+def with_tokens(group: list[m.ScoredRollout], *, logprobs: list[list[float]],
+                output_ids: list[list[int]] | None = None) -> list[m.ScoredRollout]:
+    """The group with other behaviour logprobs (and output ids), one row per sample."""
+    out = []
+    for i, s in enumerate(group):
+        ids = list(output_ids[i]) if output_ids is not None else list(s.rollout.output_ids)
+        rollout = msgspec.structs.replace(s.rollout, logprobs=list(logprobs[i]), output_ids=ids)
+        out.append(msgspec.structs.replace(s, rollout=rollout))
+    return out
+
+
+class GradientRecorder:
+    """Stands in for a Trainer's optimizer: keeps each step's accumulated gradient and moves
+    no weight, so every step of a test sees the same policy."""
+
+    def __init__(self, trainer) -> None:
+        self.params = list(trainer.model.parameters())
+        self.grads: list[torch.Tensor] = []
+        trainer.optimizer = self
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        self.grads = [p.grad.detach().clone() for p in self.params]

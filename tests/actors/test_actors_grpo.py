@@ -131,3 +131,75 @@ def test_staleness_filtering_drops_groups_older_than_the_cap_and_future_versions
     assert not grpo.is_too_stale(3, [3, 3], max_staleness=0)
     assert grpo.is_too_stale(3, [2], max_staleness=0)
     assert grpo.is_too_stale(3, [4], max_staleness=10)  # claims a version not yet published
+
+
+# ----------------------------------------------------------------------------- TIS, gaps
+
+
+def test_tis_weights_are_truncated_above_the_cap_and_one_off_the_mask():
+    # logp_old - logp_behaviour = 0.1, 1.0, -0.5, 3.0; cap 2; the last token is masked
+    old = t([[-1.0, -1.0, -1.0, -1.0]])
+    behaviour = old - t([[0.1, 1.0, -0.5, 3.0]])
+    w = grpo.truncated_is_weights(old, behaviour, t([[1, 1, 1, 0]]), cap=2.0)
+    assert w.weight.tolist()[0] == pytest.approx([math.exp(0.1), 2.0, math.exp(-0.5), 1.0])
+    assert w.capped.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+    with pytest.raises(ValueError, match="TIS cap must be >= 1, got 0.5"):
+        grpo.truncated_is_weights(old, behaviour, t([[1, 1, 1, 0]]), cap=0.5)
+
+
+def test_tis_weights_the_gradient_where_the_plain_clip_would_zero_it():
+    # A = +2, gaps logp - behaviour = 0.1, 0.5, 1.0, clip 0.2, cap 2:
+    # plain PPO: ratios e^0.1 (inside), e^0.5 and e^1 (> 1.2: clipped, gradient 0)
+    # TIS: ratio to the learner's own logprobs is 1 (never clipped), weights e^0.1, e^0.5,
+    # min(e^1, 2) = 2 -> loss -2w per token, gradient -2w / 3
+    behaviour = t([[-1.0, -1.0, -1.0]])
+    gaps = [0.1, 0.5, 1.0]
+    mask = torch.ones(1, 3)
+    logp = (behaviour + t([gaps])).requires_grad_(True)
+    terms, tis = grpo.tis_policy_terms(logp, behaviour, t([2.0]), mask, cap=2.0)
+    w = [math.exp(0.1), math.exp(0.5), 2.0]
+    assert terms.loss.detach().tolist()[0] == pytest.approx([-2 * x for x in w])
+    assert terms.ratio.tolist() == [[1.0, 1.0, 1.0]] and terms.clipped.tolist() == [[0, 0, 0]]
+    assert tis.capped.tolist() == [[0.0, 0.0, 1.0]]
+    grpo.token_mean(terms.loss, mask).backward()
+    assert logp.grad.tolist()[0] == pytest.approx([-2 * x / 3 for x in w])
+
+    plain_logp = logp.detach().requires_grad_(True)
+    plain = grpo.clipped_policy_terms(plain_logp, behaviour, t([2.0]), mask)
+    grpo.token_mean(plain.loss, mask).backward()
+    assert plain_logp.grad.tolist()[0] == pytest.approx([-2 * math.exp(0.1) / 3, 0.0, 0.0])
+
+
+def test_tis_changes_neither_loss_nor_gradient_on_policy():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11, dtype=torch.float64)
+    targets = torch.randint(0, 11, (2, 5))
+    behaviour = grpo.token_logprobs(logits, targets)
+    mask = torch.tensor([[1, 1, 0, 1, 1], [1, 1, 1, 0, 0]])
+    adv = t([0.5, -1.5])
+    grads, losses = [], []
+    for tis in (False, True):
+        logp = grpo.token_logprobs(logits.clone().requires_grad_(True), targets)
+        logp.retain_grad()
+        if tis:
+            terms, w = grpo.tis_policy_terms(logp, behaviour, adv, mask, cap=2.0)
+            assert torch.equal(w.weight, torch.ones_like(w.weight))
+        else:
+            terms = grpo.clipped_policy_terms(logp, behaviour, adv, mask)
+        loss = grpo.token_mean(terms.loss, mask)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(logp.grad)
+    assert losses[0] == losses[1]
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_logprob_gaps_count_only_masked_in_tokens_and_summarise_by_hand():
+    logp = t([[-1.0, -2.0, -3.0], [-0.5, -1.0, 0.0]])
+    behaviour = t([[-1.25, -1.5, -3.0], [-0.625, -9.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    gaps = grpo.abs_logprob_gaps(logp, behaviour, mask)
+    assert gaps.tolist() == [0.25, 0.5, 0.0, 0.125]  # the masked 8-nat gap is left out
+    assert grpo.summarise_gaps(gaps, 0.1) == (0.21875, 0.5, 0.75)
+    assert grpo.summarise_gaps(gaps, 0.25) == (0.21875, 0.5, 0.25)  # strictly above
+    assert grpo.summarise_gaps(gaps[:0], 0.1) == (0.0, 0.0, 0.0)

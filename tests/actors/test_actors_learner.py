@@ -2,12 +2,14 @@
 the actor on a real nats-server (versions published, ledger, resume without double counting)."""
 
 import functools
+import math
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 import trio
-from learner_fixtures import generate_group, synthetic_group
+from learner_fixtures import GradientRecorder, generate_group, synthetic_group, with_tokens
 from reinforge.actors import checkpoint as ckpt
 from reinforge.actors.grpo import AdvantageNorm
 from reinforge.actors.learner import (
@@ -16,6 +18,7 @@ from reinforge.actors.learner import (
     Learner,
     LearnerConfig,
     prepare_samples,
+    train_stats,
 )
 from reinforge.actors.trainer import Trainer, sequence_logprobs
 from reinforge.core import messages as m
@@ -115,6 +118,160 @@ def _fields(struct):
     return {f: getattr(struct, f) for f in struct.__struct_fields__}
 
 
+# ----------------------------------------------------------------------------- loss mask
+
+# A two-turn episode: 2 policy tokens, 2 of environment text, 2 policy tokens, 2 of
+# environment text at the end (the sampler records environment tokens with logprob 0.0).
+TURNS_MASK = [1, 1, 0, 0, 1, 1, 0, 0]
+
+
+def learner_logprobs(trainer, group) -> list[list[float]]:
+    with torch.no_grad():
+        logp, _ = sequence_logprobs(trainer.model, [s.rollout.prompt_ids for s in group],
+                                    [s.rollout.output_ids for s in group])
+    return logp.tolist()
+
+
+def behaviour_at(own: list[list[float]], env_logprob: float) -> list[list[float]]:
+    """The learner's own logprobs on policy tokens, `env_logprob` on environment tokens."""
+    return [[lp if keep else env_logprob for lp, keep in zip(row, TURNS_MASK, strict=True)]
+            for row in own]
+
+
+def test_prepare_samples_carries_the_loss_mask_and_gives_single_turn_rollouts_all_ones():
+    turns = synthetic_group("mt", [1.0, 0.0], tokens=8, loss_mask=TURNS_MASK)
+    single = synthetic_group("st", [1.0, 0.0], tokens=3)  # the sampler leaves loss_mask empty
+    torn = synthetic_group("torn", [1.0, 0.0, 0.5], tokens=3, loss_mask=[1, 0])  # wrong length
+    samples, fig = prepare_samples([turns, single, torn], AdvantageNorm.GROUP_STD)
+    masks = {s.rollout_id: s.loss_mask for s in samples}
+    assert masks == {"mt:0:1": TURNS_MASK, "mt:1:1": TURNS_MASK,
+                     "st:0:1": [1, 1, 1], "st:1:1": [1, 1, 1]}
+    assert fig["masked_samples"] == 3.0
+
+
+@pytest.mark.parametrize("tis_cap", [0.0, 2.0], ids=["tis-off", "tis-on"])
+def test_environment_tokens_add_nothing_to_the_gradient_whatever_their_ids_and_logprobs(
+    tiny_model_dir, tmp_path, tis_cap
+):
+    trainer = Trainer(make_config(tiny_model_dir, tmp_path, max_grad_norm=0.0, tis_cap=tis_cap),
+                      tiny_model_dir)
+    recorder = GradientRecorder(trainer)
+    group = synthetic_group("mt", [1.0, 0.0], tokens=8, loss_mask=TURNS_MASK)
+    own = learner_logprobs(trainer, group)
+    # Environment ids in the middle are context for later policy tokens, so only the
+    # trailing ones are free to change without changing what the policy saw.
+    other_ids = [s.rollout.output_ids[:6] + [900, 901] for s in group]
+    variants = [with_tokens(group, logprobs=behaviour_at(own, 0.0)),
+                with_tokens(group, logprobs=behaviour_at(own, -7.5), output_ids=other_ids)]
+    losses, grads = [], []
+    for variant in variants:
+        samples, _ = prepare_samples([variant], AdvantageNorm.GROUP_STD)
+        losses.append(trainer.train_step(samples, version=0)["loss"])
+        grads.append(recorder.grads)
+    assert losses[0] == losses[1]
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    assert any(bool(g.abs().sum() > 0) for g in grads[0])  # the policy tokens do train
+
+
+def test_the_token_count_and_the_ratio_figures_cover_only_policy_tokens(tiny_model_dir, tmp_path):
+    trainer = Trainer(make_config(tiny_model_dir, tmp_path), tiny_model_dir)
+    group = synthetic_group("mt", [1.0, 0.0], tokens=8, loss_mask=TURNS_MASK)
+    on_policy = with_tokens(group, logprobs=behaviour_at(learner_logprobs(trainer, group), 0.0))
+    samples, _ = prepare_samples([on_policy], AdvantageNorm.GROUP_STD)
+    fig = trainer.train_step(samples, version=0)
+    assert fig["tokens"] == 8.0  # 2 samples x 4 policy tokens, not 16
+    # behaviour = learner on every policy token: exactly on policy, environment tokens aside
+    assert fig["ratio_mean"] == 1.0 and fig["ratio_dev_max_on_policy"] == 0.0
+    assert fig["clip_frac"] == 0.0 and fig["kl_behaviour"] == 0.0
+
+
+# ----------------------------------------------------------------------------- TIS
+
+
+def step_with(trainer, recorder, group, **cfg):
+    """One step over `group` under `cfg` changes; (figures, gradient)."""
+    trainer.cfg = msgspec.structs.replace(trainer.cfg, **cfg)
+    samples, _ = prepare_samples([group], AdvantageNorm.GROUP_STD)
+    return trainer.train_step(samples, version=0), recorder.grads
+
+
+def test_with_tis_a_biased_behaviour_is_reweighted_and_without_it_clipped(tiny_model_dir,
+                                                                         tmp_path):
+    trainer = Trainer(make_config(tiny_model_dir, tmp_path, max_grad_norm=0.0), tiny_model_dir)
+    recorder = GradientRecorder(trainer)
+    group = synthetic_group("b", [1.0, 0.0])  # advantages +1, -1; 4 tokens each
+    own = learner_logprobs(trainer, group)
+    on_policy = with_tokens(group, logprobs=own)
+    # as if the engine's KV cache made every token 0.25 nats less likely than the learner does
+    biased = with_tokens(group, logprobs=[[lp - 0.25 for lp in row] for row in own])
+
+    _, grad_on = step_with(trainer, recorder, on_policy, tis_cap=2.0)
+    fig_tis, grad_tis = step_with(trainer, recorder, biased, tis_cap=2.0)
+    fig_plain, grad_plain = step_with(trainer, recorder, biased, tis_cap=0.0)
+
+    # TIS: every token weighted by exp(0.25) < cap, so the gradient is the importance-
+    # weighted on-policy one; the clip never binds.
+    w = math.exp(0.25)
+    assert all(torch.allclose(g, w * g0, rtol=1e-4, atol=1e-5)  # float32 sums
+               for g, g0 in zip(grad_tis, grad_on, strict=True))
+    assert fig_tis["clip_frac"] == 0.0 and fig_tis["tis_capped_share"] == 0.0
+    assert fig_tis["tis_weight_mean"] == pytest.approx(w, rel=1e-5)
+    assert fig_tis["logp_mismatch_mean_nats"] == pytest.approx(0.25, abs=1e-5)
+    assert fig_tis["logp_mismatch_max_nats"] == pytest.approx(0.25, abs=1e-5)
+    assert fig_tis["logp_mismatch_share_over"] == 1.0  # all 8 tokens above 0.1 nats
+    # Without TIS, ratio exp(0.25) > 1 + 0.2: the +1 sample's 4 tokens are clipped away
+    assert fig_plain["clip_frac"] == 0.5 and "tis_weight_mean" not in fig_plain
+    assert not all(torch.allclose(g, g_tis, rtol=1e-3)
+                   for g, g_tis in zip(grad_plain, grad_tis, strict=True))
+
+
+def test_with_behaviour_equal_to_the_learner_tis_changes_nothing(tiny_model_dir, tmp_path):
+    trainer = Trainer(make_config(tiny_model_dir, tmp_path, max_grad_norm=0.0), tiny_model_dir)
+    recorder = GradientRecorder(trainer)
+    group = synthetic_group("e", [1.0, 0.0, 0.0, 1.0])
+    on_policy = with_tokens(group, logprobs=learner_logprobs(trainer, group))
+    fig_tis, grad_tis = step_with(trainer, recorder, on_policy, tis_cap=2.0)
+    fig_plain, grad_plain = step_with(trainer, recorder, on_policy, tis_cap=0.0)
+    assert fig_tis["loss"] == fig_plain["loss"]
+    assert all(torch.equal(a, b) for a, b in zip(grad_tis, grad_plain, strict=True))
+    assert fig_tis["tis_weight_mean"] == 1.0 and fig_tis["tis_capped_share"] == 0.0
+    assert fig_tis["logp_mismatch_max_nats"] == 0.0 and fig_tis["logp_mismatch_share_over"] == 0.0
+
+
+def test_a_tis_cap_between_zero_and_one_is_refused():
+    with pytest.raises(ValueError, match="tis_cap must be 0 \\(off\\) or >= 1, got 0.5"):
+        LearnerConfig(tis_cap=0.5)
+
+
+def test_the_mismatch_and_tis_figures_reach_train_stats_the_monitor_and_the_report():
+    from reinforge.actors.monitor import MonitorState, render_line
+    from reinforge.actors.report import summarise
+
+    typed = {"logp_mismatch_mean_nats": 0.05, "logp_mismatch_max_nats": 0.25,
+             "logp_mismatch_share_over": 0.1, "logp_mismatch_threshold_nats": 0.1,
+             "tis_weight_mean": 1.01, "tis_capped_share": 0.002}
+    stats = train_stats(3, 3, {"loss": 0.5, "kl_behaviour": 0.01, **typed})
+    assert stats.figures == {"loss": 0.5, "kl_behaviour": 0.01}  # each figure in one place
+    assert (stats.logp_mismatch_max_nats, stats.tis_capped_share) == (0.25, 0.002)
+    assert m.decode(m.encode(stats)) == stats
+    later = train_stats(4, 4, {"loss": 0.4, **typed, "logp_mismatch_mean_nats": 0.07,
+                               "logp_mismatch_max_nats": 0.2, "tis_capped_share": 0.004})
+
+    st = MonitorState("r")
+    records = [st.on_stats(stats, 1.0), st.on_stats(later, 2.0)]
+    assert records[0]["figures"] == {"loss": 0.5, "kl_behaviour": 0.01, **typed}
+    snap = st.snapshot(3.0)
+    assert snap.train_figures["logp_mismatch_mean_nats"] == 0.07
+    assert "|dlogp| mean 0.070 max 0.200 nats, 10.0% > 0.1; TIS w 1.010 capped 0.4%" in \
+        render_line(snap)
+
+    figures, _, _, _ = summarise(records)
+    assert figures["logp_mismatch_mean_nats"] == pytest.approx(0.06)  # mean of the steps
+    assert figures["logp_mismatch_max_nats"] == 0.25  # max of the steps
+    assert figures["tis_capped_share_mean"] == pytest.approx(0.003)
+    assert figures["learner_tis_weight_mean"] == 1.01  # the last step's, like every figure
+
+
 def test_checkpoints_are_atomic_complete_and_pruned(tiny_model_dir, tmp_path):
     trainer = Trainer(make_config(tiny_model_dir, tmp_path), tiny_model_dir)
     root = tmp_path / "ck"
@@ -211,6 +368,8 @@ def test_the_learner_publishes_three_versions_from_rollouts_tagged_with_their_ve
         assert s.figures["staleness_max"] == 0.0
         # behaviour logprobs came from the published checkpoint of the version they claim
         assert s.figures["ratio_dev_max_on_policy"] < 1e-3
+        assert s.logp_mismatch_max_nats < 1e-3 and s.logp_mismatch_share_over == 0.0
+        assert s.tis_weight_mean == pytest.approx(1.0, abs=1e-3)
         assert s.figures["samples"] == 8.0 and s.figures["tokens"] == 64.0
         assert "reward_mean/math" in s.figures and "tokens_per_s" in s.figures
     assert sorted(p.name for p in Path(cfg.checkpoint_dir).iterdir()) == ["v2", "v3"]
