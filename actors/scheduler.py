@@ -5,7 +5,7 @@ Dataflow:
         ^-- ScoredRollout (core view of rl.<run>.scored.*): group outcomes
         ^-- WeightsPublished / Rollback (rl.<run>.weights): the policy version
         ^-- TrainStats / EvalStats (rl.<run>.stats.*): learner demand, eval thresholds
-        ^-- Announce (ctl.<run>.announce): domains attached at runtime join the pool
+        ^-- Announce (ctl.<run>.announce): the domains verifiers serve (available, not scheduled)
 
 Decisions (pure, in `curriculum.py`): the domain by mixing weights x regression boosts with
 replay floors for critical domains; the tier where the predicted group pass rate gives the
@@ -26,6 +26,11 @@ equal: no GRPO signal), the reward mean/std (the learner's normalisation inputs)
 Mixing weights change while running through `<run_dir>/scheduler_mix.json`
 (`{"weights": {...}, "replay_floors": {...}, "max_in_flight_per_domain": {...}}`),
 re-read whenever it changes.
+
+Only a user widens the mix: the config's `domains`, or a weight in the mix file (the way to
+start training on a domain whose verifier was attached at runtime). A verifier announcing a
+domain makes it *available* (figure `available.<domain>`), never scheduled: the default
+verifier announces every registered domain, and a math-only run must stay math-only.
 """
 
 from __future__ import annotations
@@ -73,14 +78,13 @@ from reinforge.core.messages import (
 )
 
 STATE_SCHEMA = 1
-_CAPABILITY_RE = re.compile(r"\bfor domains? ([\w,\- ]+)$")
+_VERIFIES_RE = re.compile(r"\bverifier for domains? ([\w,\- ]+)$")
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     domains: dict[str, float] = msgspec.field(default_factory=lambda: {"math": 1.0})
-    """Starting pool: domain -> mixing weight (relative)."""
-    attached_weight: float = 1.0
-    """Mixing weight of a domain that joins at runtime (a verifier announcing it)."""
+    """Starting pool: domain -> mixing weight (relative). Only these and the mix file's
+    domains are scheduled; a domain a verifier announces is only available."""
     domain_specs: list[str] = []
     """Extra domains to register, as `NAME=module:Class`."""
     replay_floors: dict[str, float] = {}
@@ -205,7 +209,11 @@ class SchedulerState(msgspec.Struct, kw_only=True):
     done_since_version: int = 0
     groups_per_version: int = 0
     """Learner demand seen in TrainStats (0 = use the config)."""
+    available: list[str] = []
+    """Domains some verifier announced (sorted): trainable if the mix names them."""
     attached: dict[str, float] = {}
+    """Domains an announcement added to the mix in states written before announcements
+    stopped doing so; read once at start (see `_forget_announced_joins`), never filled."""
     curricula: dict[str, DomainCurriculumState] = {}
     task_records: dict[str, dict[str, TaskRecord]] = {}
     leases: dict[str, Lease] = {}
@@ -251,6 +259,15 @@ def load_state(path: Path) -> SchedulerState | None:
     return state
 
 
+def verified_domains(capabilities: list[str]) -> list[str]:
+    """The domains named by capabilities like "verifier for domain sql" (or "domains a,b")."""
+    out = []
+    for cap in capabilities:
+        m = _VERIFIES_RE.search(cap)
+        out += [n for n in m.group(1).replace(" ", ",").split(",") if n] if m else []
+    return out
+
+
 def group_key(task_id: str, attempt: int) -> str:
     return f"{task_id}#{attempt}"
 
@@ -284,7 +301,8 @@ class Scheduler(Actor):
         self.curricula: dict[str, DomainCurriculum] = {}
         self.heldout: dict[str, set[str]] = {}
         self.file_tasks: dict[str, dict[str, Any]] = {}
-        for name in [*cfg.domains, *self.state.attached]:
+        self._forget_announced_joins()
+        for name in cfg.domains:
             self._join(name)
         self._dirty = True
         self._last_persist = 0.0
@@ -293,6 +311,20 @@ class Scheduler(Actor):
         latest = await self.ctx.bus.last_message(self.ctx.stream, subjects.weights(self.ctx.run))
         if latest is not None:
             await self.on_weights(decode(latest.data))
+
+    def _forget_announced_joins(self) -> None:
+        """A state saved when announcements widened the mix lists the domains they added:
+        they become available only, and the change is said, not silent."""
+        st = self.state
+        if not st.attached:
+            return
+        names = sorted(set(st.attached) - set(self.config.domains))
+        st.available = sorted({*st.available, *st.attached})
+        st.attached = {}
+        if names:
+            say(f"domains {', '.join(names)} joined the mix by an announcement in the saved "
+                "state; announcements no longer schedule a domain: they are only available "
+                f"unless the config's `domains` or the mix file {self.mix_path} weights them")
 
     def _join(self, name: str) -> None:
         """Add a domain to the pool (its curriculum, held-out fingerprints, task file)."""
@@ -426,16 +458,18 @@ class Scheduler(Actor):
             self._dirty = True
 
     async def on_announce(self, msg: Announce) -> None:
+        """A verifier's domains become available; only the config or the mix file schedules
+        a domain (a default verifier announces all of them)."""
         if msg.event != "joined":
             return
-        for cap in msg.capabilities:
-            m = _CAPABILITY_RE.search(cap)
-            for name in (m.group(1).replace(" ", ",").split(",") if m else []):
-                if name and name not in self.curricula and name in self.registry:
-                    self.state.attached[name] = self.config.attached_weight
-                    self._join(name)
-                    say(f"domain {name} joined the pool (announced by {msg.actor_id})")
-                    self._dirty = True
+        for name in verified_domains(msg.capabilities):
+            if name in self.state.available or name not in self.registry:
+                continue
+            self.state.available = sorted([*self.state.available, name])
+            self._dirty = True
+            if name not in self.curricula:
+                say(f"domain {name} is available ({msg.actor_id} verifies it) but not in the "
+                    f"mix: give it a weight in {self.mix_path} to train on it")
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -467,7 +501,7 @@ class Scheduler(Actor):
     # -- decisions --------------------------------------------------------------------
 
     def weights(self) -> dict[str, float]:
-        w = {**self.config.domains, **self.state.attached, **self.mix.weights}
+        w = {**self.config.domains, **self.mix.weights}
         return {d: v for d, v in w.items() if d in self.curricula}
 
     def probabilities(self, eligible: set[str]) -> dict[str, float]:
@@ -667,6 +701,8 @@ class Scheduler(Actor):
             "rollbacks": float(st.rollbacks),
             "stall_releases": float(st.stall_releases),
         }
+        for d in st.available:
+            out[f"available.{d}"] = 1.0
         probs = self.probabilities(set(self.curricula))
         for d, cur in self.curricula.items():
             c = st.counters.get(d, DomainCounters())

@@ -17,8 +17,10 @@ from reinforge.actors.evalsets import HeldOutConfig, build_heldout, fingerprint
 from reinforge.actors.scheduler import (
     Scheduler,
     SchedulerConfig,
+    SchedulerState,
     group_key,
     load_state,
+    save_state,
     split_rollout_id,
 )
 from reinforge.core import messages as m
@@ -217,7 +219,7 @@ def test_tiers_rates_and_leases_survive_a_killed_scheduler(creds, run_name, tmp_
     trio.run(main)
 
 
-def test_an_announced_domain_joins_the_pool_and_the_mix_file_reweights_it(
+def test_an_announced_domain_is_only_available_until_the_mix_file_gives_it_a_weight(
     creds, run_name, tmp_path
 ):
     cfg = config(tmp_path, domains={"math": 1.0}, group_size=2, max_in_flight=2)
@@ -232,14 +234,79 @@ def test_an_announced_domain_joins_the_pool_and_the_mix_file_reweights_it(
             await bus.publish(subjects.announce(run_name), m.Announce(
                 actor_id="verifier-x", actor_type="verifier", host="h", pid=1,
                 capabilities=["verifier for domain judge"]))
+            st = await wait_state(tmp_path / "state.json", lambda s: "judge" in s.available)
+            assert "judge" not in st.curricula  # available, not in the pool
+            # the explicit request: the user gives the attached verifier's domain a weight
+            (tmp_path / "mix.json").write_text(json.dumps({"weights": {"math": 0.0,
+                                                                       "judge": 1.0}}))
             await watcher.until(lambda ts: any(t.domain == "judge" for t in ts), on_task=answer)
-            (tmp_path / "mix.json").write_text(json.dumps({"weights": {"math": 0.0}}))
-            await wait_state(tmp_path / "state.json", lambda s: "judge" in s.attached)
-            await trio.sleep(0.5)
-            n_seen = len(watcher.tasks)
-            await watcher.until(lambda ts: len(ts) >= n_seen + 10, on_task=answer)
-            later = watcher.tasks[n_seen + 3:]  # past what was in flight at the switch
-            assert later and all(t.domain == "judge" for t in later)
+            first = next(i for i, t in enumerate(watcher.tasks) if t.domain == "judge")
+            await watcher.until(lambda ts: len(ts) >= first + 10, on_task=answer)
+            assert {t.domain for t in watcher.tasks[first:]} == {"judge"}
+
+    trio.run(main)
+
+
+def default_verifier_announcement() -> m.Announce:
+    """What a verifier with the default config announces (`VerifierActor.capabilities`):
+    every registered domain."""
+    return m.Announce(actor_id="verifier-0", actor_type="verifier", host="h", pid=1, capabilities=[
+        f"verifier for domain {d}" for d in DomainRegistry.default().names()])
+
+
+async def figures_when(beats, pred, timeout_s=10.0) -> dict[str, float]:
+    """The figures of the first heartbeat that satisfies `pred`."""
+    with trio.fail_after(timeout_s):
+        async for batch in beats:
+            for figs in (m.decode(r.data).figures for r in batch):
+                if pred(figs):
+                    return figs
+    raise AssertionError("the heartbeat subscription ended")
+
+
+def test_a_verifier_announcing_every_domain_makes_them_available_not_scheduled(
+    creds, run_name, tmp_path
+):
+    others = set(DomainRegistry.default().names()) - {"math"}
+    assert len(others) == 4  # the premise: the default verifier announces four more domains
+    cfg = config(tmp_path, domains={"math": 1.0}, group_size=2, max_in_flight=2)
+
+    async def main():
+        async with open_bus(creds) as bus, scheduler(creds, run_name, cfg) as ctx:
+            async def answer(task):
+                await publish_scored(bus, run_name, scored_group(task, [1.0, 0.0]))
+
+            async with bus.subscribe(subjects.heartbeat(run_name, ctx.actor_id)) as beats:
+                await bus.publish(subjects.announce(run_name), default_verifier_announcement())
+                figs = await figures_when(
+                    beats, lambda f: all(f.get(f"available.{d}") == 1.0 for d in others))
+            # the announcement has been handled: the tasks answered from here on are drawn
+            # knowing of it, and with each answer the scheduler issues more
+            tasks = await TaskWatcher(bus, run_name).until(lambda ts: len(ts) >= 12,
+                                                           on_task=answer)
+        assert Counter(t.domain for t in tasks) == Counter({"math": len(tasks)})
+        assert figs["math.mix"] == 1.0 and figs["available.math"] == 1.0
+        assert not [d for d in others if f"{d}.mix" in figs]
+
+    trio.run(main)
+
+
+def test_a_state_saved_when_announcements_widened_the_mix_resumes_with_those_only_available(
+    creds, run_name, tmp_path
+):
+    save_state(tmp_path / "state.json", SchedulerState(attached={"code": 1.0, "judge": 1.0}))
+    cfg = config(tmp_path, domains={"math": 1.0}, group_size=2, max_in_flight=2)
+
+    async def main():
+        async with open_bus(creds) as bus, scheduler(creds, run_name, cfg):
+            async def answer(task):
+                await publish_scored(bus, run_name, scored_group(task, [1.0, 0.0]))
+
+            tasks = await TaskWatcher(bus, run_name).until(lambda ts: len(ts) >= 8,
+                                                           on_task=answer)
+            st = await wait_state(tmp_path / "state.json", lambda s: s.issued >= 8)
+        assert Counter(t.domain for t in tasks) == Counter({"math": len(tasks)})
+        assert st.available == ["code", "judge"] and st.attached == {}
 
     trio.run(main)
 
