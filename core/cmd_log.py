@@ -30,7 +30,12 @@ def register(subparsers: Any) -> None:
     show.set_defaults(func=cmd_show)
 
     rp = subparsers.add_parser(
-        "replay", help="feed an actor its recorded inputs in isolation; diff its outputs"
+        "replay", help="feed an actor its recorded inputs in isolation; diff its outputs",
+        description="Feed an actor its recorded inputs on a private nats-server and diff its "
+        "outputs. The actor runs in a scratch home (a fresh temporary $REINFORGE_HOME, said on "
+        "stderr): the live run's files are read, never written. A --set path into the live "
+        "run's directory is rewritten to the same place in the scratch home, what it names "
+        "copied there first (e.g. a learner's checkpoint_dir: it resumes from a copy).",
     )
     rp.add_argument("file", help="a log written by `reinforge log export`")
     rp.add_argument("--actor", required=True, help="MODULE:CLASS | file.py:Class | entry point")
@@ -40,6 +45,9 @@ def register(subparsers: Any) -> None:
                     help="stop once no output came for this long and all input was consumed")
     rp.add_argument("--timeout-s", type=float, default=300.0)
     rp.add_argument("--json", action="store_true")
+    rp.add_argument("--keep", action="store_true",
+                    help="keep the scratch home (the actor's run directory: state, checkpoints) "
+                         "for inspection; by default it is removed after the replay")
     rp.set_defaults(func=cmd_replay)
 
 
@@ -161,7 +169,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     try:
         result = trio.run(lambda: replay(records, cls, config, only=args.only,
-                                         idle_s=args.idle_s, timeout_s=args.timeout_s))
+                                         idle_s=args.idle_s, timeout_s=args.timeout_s,
+                                         keep_home=args.keep))
     except ValueError as exc:
         raise UserError(str(exc)) from None
     print(json.dumps(result_json(result)) if args.json else format_result(result))

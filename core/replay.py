@@ -1,6 +1,12 @@
 """Replay: feed an actor type its recorded inputs in isolation and diff its outputs.
 
-The actor runs against a private nats-server (nothing reaches the live run). Its inputs
+The actor runs against a private nats-server and in a scratch home: a fresh temporary
+directory set as $REINFORGE_HOME for the replay, so its run directory (state, checkpoints,
+journals) is `<scratch>/<run>/`, never the live run's. A path in its config that points into
+the live run's directory is rewritten to the same place in the scratch home, and what it
+names is copied there first (a learner given the live `checkpoint_dir` resumes from a copy);
+paths left to their defaults start empty (a fresh actor). The live run's files are read,
+never written. The scratch home is removed afterwards unless `keep_home`. Its inputs
 are the log records on its input subjects; the recorded outputs are the records that an
 actor of the same type stored (every durable publish carries the writer's type in the
 `Rf-Actor-Type` header). Outputs are matched by their deterministic `Nats-Msg-Id` and
@@ -12,7 +18,12 @@ is what the user asked to see.
 from __future__ import annotations
 
 import functools
+import os
+import shutil
+import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +31,7 @@ from typing import Any
 import msgspec
 import trio
 
-from reinforge.core import subjects
+from reinforge.core import paths, subjects
 from reinforge.core.actor import ORIGIN_HEADER, ActorContext, run_actor
 from reinforge.core.bus import open_bus
 from reinforge.core.messages import MessageError, decode, to_builtins
@@ -38,6 +49,7 @@ class ReplayResult:
     missing: list[str] = field(default_factory=list)  # recorded, not produced
     extra: list[str] = field(default_factory=list)  # produced, not recorded
     changed: list[tuple[str, str]] = field(default_factory=list)  # (msg id, diff text)
+    scratch_home: str = ""  # where the replayed actor's files were kept ("" = removed)
 
     @property
     def identical(self) -> bool:
@@ -104,14 +116,106 @@ async def replay(
     idle_s: float = 3.0,
     timeout_s: float = 300.0,
     workdir: Path | None = None,
+    keep_home: bool = False,
 ) -> ReplayResult:
     run = run_of(records)
-    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-        server = EmbeddedNats(data_dir=Path(tmp) / "nats").start()
-        try:
-            return await _replay_on(server, records, cls, config, run, only, idle_s, timeout_s)
-        finally:
-            server.stop()
+    live_run = paths.run_dir(run)
+    home = Path(tempfile.mkdtemp(prefix=f"reinforge-replay-{run}-", dir=workdir))
+    say(f"{cls.actor_type} runs in scratch home {home} "
+        f"({'kept' if keep_home else 'removed'} afterwards); the live run's files in "
+        f"{live_run} are read, never written")
+    try:
+        config = confined_config(config if config is not None else cls.Config(),
+                                 live_run, home / run)
+        with tempfile.TemporaryDirectory(dir=workdir) as tmp, reinforge_home(home):
+            server = EmbeddedNats(data_dir=Path(tmp) / "nats").start()
+            try:
+                result = await _replay_on(server, records, cls, config, run, only, idle_s,
+                                          timeout_s)
+            finally:
+                server.stop()
+    finally:
+        if not keep_home:
+            shutil.rmtree(home, ignore_errors=True)
+    result.scratch_home = str(home) if keep_home else ""
+    return result
+
+
+def say(text: str) -> None:
+    print(f"replay: {text}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def reinforge_home(home: Path) -> Iterator[None]:
+    """$REINFORGE_HOME = `home` while the replay runs: the actor, and any process it starts,
+    finds its run directory through it (`core/paths.py`). Process-wide, which is why the
+    replay sets it only around the actor and puts it back after."""
+    before = os.environ.get("REINFORGE_HOME")
+    os.environ["REINFORGE_HOME"] = str(home)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("REINFORGE_HOME", None)
+        else:
+            os.environ["REINFORGE_HOME"] = before
+
+
+def confined_config(config: Any, live_run: Path, scratch_run: Path) -> Any:
+    """`config` with every path into the live run's directory moved to the same place under
+    `scratch_run`, what it names copied there first: the actor reads copies of the live
+    run's files and writes only into the scratch home."""
+    moved = False
+
+    def confine(value: Any) -> Any:
+        nonlocal moved
+        if isinstance(value, dict):
+            return {k: confine(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [confine(v) for v in value]
+        inside = path_inside(value, live_run) if isinstance(value, str) else None
+        if inside is None:
+            return value
+        target = scratch_run / inside
+        if inside != Path("."):  # the run directory itself starts empty, like the defaults
+            copy_for_replay(Path(value), target)
+        say(f"config path {value} -> {target}")
+        moved = True
+        return str(target)
+
+    data = confine(msgspec.to_builtins(config))
+    return msgspec.convert(data, type(config)) if moved else config
+
+
+def path_inside(text: str, root: Path) -> Path | None:
+    """`text` relative to `root` when it is a path to something inside it. A string without
+    a separator is a name ("math", "*"), not a path."""
+    if os.sep not in text:
+        return None
+    try:
+        return Path(text).resolve().relative_to(root.resolve())
+    except (ValueError, OSError):
+        return None
+
+
+def copy_for_replay(src: Path, dst: Path) -> None:
+    try:
+        if src.is_dir():
+            shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True,
+                            copy_function=_copy_unless_gone)
+        elif src.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst)
+    except (OSError, shutil.Error) as exc:
+        raise ValueError(f"replay: cannot copy {src} (named in the actor's config) into the "
+                         f"scratch home: {exc}") from None
+
+
+def _copy_unless_gone(src: str, dst: str) -> str:
+    try:
+        return shutil.copy2(src, dst)
+    except FileNotFoundError:  # the live actor removed it meanwhile (e.g. a temp file)
+        return dst
 
 
 async def _replay_on(
@@ -203,6 +307,8 @@ def format_result(result: ReplayResult, limit: int = 20) -> str:
     hidden = len(result.missing) + len(result.extra) + len(result.changed) - 3 * limit
     if hidden > 0:
         lines.append(f"... and more ({hidden} not shown)")
+    if result.scratch_home:
+        lines.append(f"scratch home (kept): {result.scratch_home}")
     lines.append("identical" if result.identical else "DIFFERENT")
     return "\n".join(lines)
 
@@ -213,4 +319,5 @@ def result_json(result: ReplayResult) -> dict[str, Any]:
         "recorded_outputs": result.recorded_outputs, "replayed_outputs": result.replayed_outputs,
         "missing": result.missing, "extra": result.extra,
         "changed": [{"msg_id": k, "diff": d} for k, d in result.changed],
+        "scratch_home": result.scratch_home,
     })
