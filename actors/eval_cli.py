@@ -155,7 +155,8 @@ async def _eval(args: argparse.Namespace, domains: list[str], samples: int, held
         "domains": {d: {"pass_at_1": s.pass_at_1, "pass_at_k": s.pass_at_k, "k": s.k,
                         "n_tasks": s.n_tasks, "samples": s.samples,
                         "run_pass_rates": s.run_pass_rates, "run_std": s.run_std,
-                        "infra_errors": s.infra_errors, "rejected_tasks": s.rejected_tasks}
+                        "infra_errors": s.infra_errors, "rejected_tasks": s.rejected_tasks,
+                        "task_pass_at_1": s.task_pass_at_1}
                     for d, s in scores.items()},
     }
     if args.json:
