@@ -29,6 +29,11 @@ MAX_IN_FLIGHT = 16
 SAMPLER_CONCURRENCY = 8
 MAX_NEW_TOKENS = 96
 SANDBOX_POOL_SIZE = 2
+# The forgetting guard in the run: every `--guard-every` versions (25: about a minute here)
+# on 4 held-out tasks per tier, k = 2; a version whose pass@1 falls GUARD_MARGIN below the
+# SFT start's is rolled back. The margin is wide because so small a set is noisy.
+GUARD_TASKS_PER_TIER = 4
+GUARD_MARGIN = 0.25
 
 
 def register(subparsers: Any) -> None:
@@ -45,6 +50,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--eval-k", type=int, default=4)
     p.add_argument("--eval-tasks-per-tier", type=int, default=20)
     p.add_argument("--sft-steps", type=int, default=150)
+    p.add_argument("--guard-every", type=int, default=25,
+                   help="the forgetting guard evaluates every N-th version (default 25)")
+    p.add_argument("--tis-cap", type=float, default=2.0,
+                   help="the learner's truncated importance-sampling cap (0: off, the plain "
+                        "clipped ratio to the behaviour logprobs)")
     p.add_argument("--json", action="store_true", help="end with one JSON object on stdout")
     p.set_defaults(func=cmd_demo)
 
@@ -98,8 +108,10 @@ def ensure_models(home: Path, domains: list[str], sft_steps: int,
 
 
 def evaluate(model: Path, domains: list[str], k: int, tasks_per_tier: int) -> dict[str, Any]:
+    """pass@1 and pass@k on the held-out sets, every tier of each domain (the curriculum
+    may train any of them), each task's pass@1 kept for the paired comparison."""
     out = reinforge("eval", "--model", str(model), "--domains", ",".join(domains),
-                    "--k", str(k), "--tiers", "0", "--tasks-per-tier", str(tasks_per_tier),
+                    "--k", str(k), "--tasks-per-tier", str(tasks_per_tier),
                     "--max-new-tokens", str(MAX_NEW_TOKENS), "--json", capture=True, timeout_s=1800)
     if out.returncode != 0:
         raise RuntimeError(f"reinforge eval failed ({out.returncode}):\n{out.stderr[-3000:]}")
@@ -107,13 +119,25 @@ def evaluate(model: Path, domains: list[str], k: int, tasks_per_tier: int) -> di
 
 
 def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
-                   args: argparse.Namespace, *, max_staleness: int = 2) -> str:
+                   args: argparse.Namespace, *, max_staleness: int = 2,
+                   heldout_per_tier: int = 4, guard: dict[str, float] | None = None) -> str:
     """The TOML `reinforge up` runs. Sized for 2 CPU cores. `max_staleness=0` makes the
     actors take turns (generate, verify, train, each waiting for the last): the synchronous
-    baseline of `bench/rl_throughput.py`."""
+    baseline of `bench/rl_throughput.py`.
+
+    The scheduler never trains on the first `heldout_per_tier` held-out tasks of each tier
+    (the demo's before/after evaluation uses exactly those). `guard` (domain -> minimum
+    pass@1) adds the evaluator: every `args.guard_every` versions it scores the policy on
+    a subset of those held-out tasks and rolls back a version that falls below its floor."""
     mix = ", ".join(f"{d} = 1.0" for d in domains)
     dlist = ", ".join(json.dumps(d) for d in domains)
     ckpt = run_dir / "checkpoints"
+    heldout = f"heldout = {{ tasks_per_tier = {heldout_per_tier} }}"
+    evaluator = "" if guard is None else f"""
+[[actors]]
+spec = "reinforge.actors.evaluator:Evaluator"
+config = {{ domains = [{dlist}], k = 2, every_versions = {args.guard_every}, heldout = {{ tasks_per_tier = {min(GUARD_TASKS_PER_TIER, heldout_per_tier)} }}, thresholds = {{ {", ".join(f"{d} = {v:.4f}" for d, v in guard.items())} }}, max_new_tokens = {MAX_NEW_TOKENS}, concurrency = 2, sandbox_pool_size = 1 }}
+"""
     return f"""# Written by `reinforge demo`; `reinforge up {run_dir / 'demo.toml'}` runs it again.
 run = "{run}"
 
@@ -122,7 +146,7 @@ healthy_timeout_s = 300
 
 [[actors]]
 spec = "reinforge.actors.scheduler:Scheduler"
-config = {{ domains = {{ {mix} }}, group_size = {args.group_size}, max_in_flight = {MAX_IN_FLIGHT}, groups_per_version = {args.groups_per_batch}, max_staleness = {max_staleness} }}
+config = {{ domains = {{ {mix} }}, group_size = {args.group_size}, max_in_flight = {MAX_IN_FLIGHT}, groups_per_version = {args.groups_per_batch}, max_staleness = {max_staleness}, {heldout} }}
 
 [[actors]]
 spec = "reinforge.actors.sampler:SamplerActor"
@@ -134,12 +158,12 @@ config = {{ domains = [{dlist}], sandbox_pool_size = {SANDBOX_POOL_SIZE} }}
 
 [[actors]]
 spec = "reinforge.actors.learner:Learner"
-config = {{ model = {json.dumps(str(sft))}, checkpoint_dir = {json.dumps(str(ckpt))}, groups_per_batch = {args.groups_per_batch}, group_size = {args.group_size}, learning_rate = {args.learning_rate}, torch_threads = 1, max_staleness = {max_staleness}, keep_last = 2 }}
+config = {{ model = {json.dumps(str(sft))}, checkpoint_dir = {json.dumps(str(ckpt))}, groups_per_batch = {args.groups_per_batch}, group_size = {args.group_size}, learning_rate = {args.learning_rate}, tis_cap = {args.tis_cap}, torch_threads = 1, max_staleness = {max_staleness}, keep_last = 2 }}
 
 [[actors]]
 spec = "reinforge.actors.monitor:Monitor"
 config = {{ snapshot_interval_s = 1.0, port = 0 }}
-"""
+{evaluator}"""
 
 
 def latest_checkpoint(run_dir: Path) -> tuple[Path | None, int]:
@@ -199,7 +223,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     before = evaluate(sft, domains, args.eval_k, args.eval_tasks_per_tier)
     eval_s = before.get("eval_s", 60.0) + 30.0
     config_path = run_dir / "demo.toml"
-    config_path.write_text(cluster_config(run, run_dir, sft, domains, args))
+    floors = {d: max(0.0, sc["pass_at_1"] - GUARD_MARGIN) for d, sc in before["domains"].items()}
+    config_path.write_text(cluster_config(run, run_dir, sft, domains, args,
+                                          heldout_per_tier=args.eval_tasks_per_tier, guard=floors))
 
     say(f"starting the cluster: reinforge up {config_path} --detach")
     up = reinforge("up", str(config_path), "--run", run, "--detach", capture=True)
@@ -219,11 +245,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     say(f"evaluating the final checkpoint (version {version}) on the held-out sets")
     after = evaluate(after_model, domains, args.eval_k, args.eval_tasks_per_tier)
 
+    from reinforge.actors.evaluator import mean_change, paired_change
     from reinforge.actors.report import build_report
 
     report_dir = run_dir / "report"
     metrics = run_dir / "metrics" / "metrics.jsonl"
     report_path = ""
+    guard = guard_summary(metrics)  # before the offline evaluations join the metrics
     if metrics.exists():
         # The held-out evaluations ran offline (after `down`): add them to the run's
         # metrics as eval records (version 0 = the SFT start), so the report plots them.
@@ -238,15 +266,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
         report_path = build_report(metrics, report_dir, run=run).page
     p1_before = {d: s["pass_at_1"] for d, s in before["domains"].items()}
     p1_after = {d: s["pass_at_1"] for d, s in after["domains"].items()}
-    common = [d for d in p1_before if d in p1_after]
-    improvement = sum(p1_after[d] - p1_before[d] for d in common) / max(len(common), 1)
+    changes = {d: paired_change(before["domains"][d]["task_pass_at_1"],
+                                after["domains"][d]["task_pass_at_1"])
+               for d in p1_before if d in p1_after}
+    overall = mean_change(list(changes.values()))
+    improvement = overall.delta
     outcomes = count_outcomes(metrics)
     result = {
         "eval_before": p1_before,
         "eval_after": p1_after,
         "improvement": round(improvement, 4),
+        "improvement_ci95": [round(x, 4) for x in overall.ci95],
+        "changes": {d: {"delta": round(c.delta, 4), "ci95": [round(x, 4) for x in c.ci95],
+                        "n_tasks": c.n_tasks} for d, c in changes.items()},
         "samples": sum(sum(by_outcome.values()) for by_outcome in outcomes.values()),
         "outcomes": outcomes,
+        "logp_mismatch": logp_mismatch_summary(metrics),
+        "guard": guard,
         "versions": version,
         "wall_s": round(time.time() - t0, 1),
         "report": report_path,
@@ -254,7 +290,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "run_dir": str(run_dir),
     }
     (run_dir / "demo_result.json").write_text(json.dumps(result, indent=2))
-    say(f"eval pass@1 before {p1_before} after {p1_after}; improvement {improvement:+.3f}")
+    lo, hi = overall.ci95
+    say(f"eval pass@1 before {p1_before} after {p1_after}; improvement {improvement:+.3f} "
+        f"(95 % CI {lo:+.3f} .. {hi:+.3f}, paired over {overall.n_tasks} held-out tasks)")
     if args.json:
         print(json.dumps(result), flush=True)
     else:
@@ -280,6 +318,59 @@ def count_outcomes(metrics: Path) -> dict[str, dict[str, int]]:
                 by_outcome = counts.setdefault(rec["domain"], {})
                 by_outcome[rec["outcome"]] = by_outcome.get(rec["outcome"], 0) + 1
     return counts
+
+
+def guard_summary(metrics: Path) -> dict[str, Any]:
+    """What the forgetting guard (the evaluator in the run) did: versions it evaluated,
+    its last pass@1 per domain, and the rollbacks."""
+    versions: set[int] = set()
+    last: dict[str, tuple[int, float]] = {}
+    rollbacks = 0
+    if metrics.exists():
+        with open(metrics) as f:
+            for line in f:
+                rec = json.loads(line)
+                if rec.get("kind") == "eval":
+                    versions.add(rec["version"])
+                    if rec["version"] >= last.get(rec["domain"], (-1, 0.0))[0]:
+                        last[rec["domain"]] = (rec["version"], rec["pass_at_1"])
+                elif rec.get("kind") == "rollback":
+                    rollbacks += 1
+    return {"versions_evaluated": sorted(versions), "rollbacks": rollbacks,
+            "last_pass_at_1": {d: round(p1, 4) for d, (_, p1) in sorted(last.items())}}
+
+
+def logp_mismatch_summary(metrics: Path) -> dict[str, float]:
+    """The learner's per-step logprob mismatch over the run (behaviour logprobs of the
+    rollout server vs the learner's) and, when on, its TIS weights: medians of the steps'
+    means, the largest gap seen."""
+    import statistics
+
+    steps: list[dict[str, float]] = []
+    if metrics.exists():
+        with open(metrics) as f:
+            for line in f:
+                rec = json.loads(line)
+                if rec.get("kind") == "train" and "logp_mismatch_mean_nats" in rec["figures"]:
+                    steps.append(rec["figures"])
+    if not steps:
+        return {"steps": 0}
+    out = {
+        "steps": len(steps),
+        "mean_nats_median": statistics.median(f["logp_mismatch_mean_nats"] for f in steps),
+        "max_nats": max(f["logp_mismatch_max_nats"] for f in steps),
+        "share_over_threshold_median": statistics.median(
+            f["logp_mismatch_share_over"] for f in steps),
+        "threshold_nats": steps[-1]["logp_mismatch_threshold_nats"],
+        "ratio_mean_median": statistics.median(f.get("ratio_mean", 1.0) for f in steps),
+        "clip_frac_median": statistics.median(f.get("clip_frac", 0.0) for f in steps),
+    }
+    if "tis_weight_mean" in steps[-1]:
+        out["tis_weight_mean_median"] = statistics.median(
+            f.get("tis_weight_mean", 1.0) for f in steps)
+        out["tis_capped_share_median"] = statistics.median(
+            f.get("tis_capped_share", 0.0) for f in steps)
+    return {k: round(v, 5) if isinstance(v, float) else v for k, v in out.items()}
 
 
 def infra_only_domains(outcomes: dict[str, dict[str, int]]) -> dict[str, int]:

@@ -22,7 +22,7 @@ def test_a_short_demo_advances_versions_scores_every_domain_and_writes_the_repor
         out = subprocess.run(
             [sys.executable, "-m", "reinforge", "demo", "--minutes", "4", "--run", "ci-demo",
              "--domains", "math,code,docqa", "--groups-per-batch", "1", "--eval-k", "2",
-             "--eval-tasks-per-tier", "2", "--json"],
+             "--eval-tasks-per-tier", "2", "--guard-every", "3", "--json"],
             env=env, cwd=ROOT, capture_output=True, text=True, timeout=840,
         )
     finally:  # even after a timeout: leave no cluster, nats-server or sandbox running
@@ -35,6 +35,15 @@ def test_a_short_demo_advances_versions_scores_every_domain_and_writes_the_repor
     # code is checked in the sandbox: its checks must have run, not all failed as infra
     code = result["outcomes"]["code"]
     assert sum(n for outcome, n in code.items() if outcome != "infra_error") > 0, code
+    # every tier held out (math has 5, code and docqa 4; 2 tasks each), compared pairwise
+    assert {d: c["n_tasks"] for d, c in result["changes"].items()} == \
+        {"math": 10, "code": 8, "docqa": 8}
+    lo, hi = result["improvement_ci95"]
+    assert lo <= result["improvement"] <= hi
+    # the forgetting guard ran inside the run, and the learner reported the mismatch
+    assert [v for v in result["guard"]["versions_evaluated"] if v > 0], result["guard"]
+    assert result["logp_mismatch"]["steps"] >= 1
+    assert result["logp_mismatch"]["tis_weight_mean_median"] > 0
     assert result["versions"] >= 1, out.stderr[-3000:]
     run_dir = Path(result["run_dir"])
     scored = set()
@@ -66,3 +75,31 @@ def test_the_demo_names_a_domain_whose_every_check_was_an_infrastructure_error()
     outcomes = {"math": {"pass": 3, "fail": 9}, "code": {"infra_error": 40},
                 "docqa": {"fail": 2, "infra_error": 5}}
     assert infra_only_domains(outcomes) == {"code": 40}
+
+
+def test_the_demo_summarises_the_guard_and_the_logprob_mismatch_from_the_metrics(tmp_path):
+    from reinforge.actors.demo import guard_summary, logp_mismatch_summary
+
+    def train(step, mean, mx, share, **tis):
+        return {"kind": "train", "version": step, "step": step, "loss": 0.0, "figures": {
+            "logp_mismatch_mean_nats": mean, "logp_mismatch_max_nats": mx,
+            "logp_mismatch_share_over": share, "logp_mismatch_threshold_nats": 0.1,
+            "ratio_mean": 1.0, "clip_frac": 0.0, **tis}}
+
+    def evaluation(version, domain, p1):
+        return {"kind": "eval", "version": version, "domain": domain, "pass_at_1": p1}
+
+    metrics = tmp_path / "metrics.jsonl"
+    records = [train(1, 0.02, 0.3, 0.05, tis_weight_mean=1.01, tis_capped_share=0.0),
+               evaluation(3, "math", 0.4), {"kind": "rollback", "to_version": 2},
+               train(2, 0.04, 0.6, 0.15, tis_weight_mean=0.99, tis_capped_share=0.02),
+               evaluation(6, "math", 0.5), train(3, 0.03, 0.2, 0.10, tis_weight_mean=1.0,
+                                                   tis_capped_share=0.01)]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    m = logp_mismatch_summary(metrics)
+    assert m["steps"] == 3 and m["max_nats"] == 0.6
+    assert m["mean_nats_median"] == 0.03 and m["share_over_threshold_median"] == 0.1
+    assert m["tis_weight_mean_median"] == 1.0 and m["tis_capped_share_median"] == 0.01
+    assert guard_summary(metrics) == {"versions_evaluated": [3, 6], "rollbacks": 1,
+                                      "last_pass_at_1": {"math": 0.5}}
+    assert logp_mismatch_summary(tmp_path / "none.jsonl") == {"steps": 0}
