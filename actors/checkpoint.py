@@ -171,13 +171,18 @@ def remove_temp_dirs(root: str | Path) -> list[str]:
     return removed
 
 
-def prune_checkpoints(root: str | Path, keep_last: int, protect: Iterable[int] = ()) -> list[int]:
-    """Delete all but the newest `keep_last` complete checkpoints (never those in `protect`);
-    returns the versions deleted."""
+def prune_checkpoints(root: str | Path, keep_last: int, protect: Iterable[int] = (), *,
+                      keep_every: int = 0) -> list[int]:
+    """Delete all but the newest `keep_last` complete checkpoints (never those in `protect`,
+    nor the two newest multiples of `keep_every` when it is > 0: the versions an evaluator
+    scores, after the learner has moved on, and the one a rollback returns to); returns the
+    versions deleted."""
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     found = list_checkpoints(root)
     keep = {v for v, _ in found[-keep_last:]} | set(protect)
+    if keep_every > 0:
+        keep |= set([v for v, _ in found if v % keep_every == 0][-2:])
     deleted = []
     for version, path in found:
         if version not in keep:

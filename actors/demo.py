@@ -158,7 +158,7 @@ config = {{ domains = [{dlist}], sandbox_pool_size = {SANDBOX_POOL_SIZE} }}
 
 [[actors]]
 spec = "reinforge.actors.learner:Learner"
-config = {{ model = {json.dumps(str(sft))}, checkpoint_dir = {json.dumps(str(ckpt))}, groups_per_batch = {args.groups_per_batch}, group_size = {args.group_size}, learning_rate = {args.learning_rate}, tis_cap = {args.tis_cap}, torch_threads = 1, max_staleness = {max_staleness}, keep_last = 2 }}
+config = {{ model = {json.dumps(str(sft))}, checkpoint_dir = {json.dumps(str(ckpt))}, groups_per_batch = {args.groups_per_batch}, group_size = {args.group_size}, learning_rate = {args.learning_rate}, tis_cap = {args.tis_cap}, torch_threads = 1, max_staleness = {max_staleness}, keep_last = 2, keep_every = {args.guard_every if guard is not None else 0} }}
 
 [[actors]]
 spec = "reinforge.actors.monitor:Monitor"
@@ -266,9 +266,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
         report_path = build_report(metrics, report_dir, run=run).page
     p1_before = {d: s["pass_at_1"] for d, s in before["domains"].items()}
     p1_after = {d: s["pass_at_1"] for d, s in after["domains"].items()}
-    changes = {d: paired_change(before["domains"][d]["task_pass_at_1"],
-                                after["domains"][d]["task_pass_at_1"])
-               for d in p1_before if d in p1_after}
+    # The headline compares the tiers the run trained (the curriculum reaches few of them in
+    # ten minutes); every tier's change is there too.
+    tier_of = heldout_tiers(domains, args.eval_tasks_per_tier)
+    trained = trained_tiers(metrics)
+    changes, all_tiers = {}, {}
+    for d in (d for d in p1_before if d in p1_after):
+        b_tasks = before["domains"][d]["task_pass_at_1"]
+        a_tasks = after["domains"][d]["task_pass_at_1"]
+        all_tiers[d] = paired_change(b_tasks, a_tasks)
+        if trained.get(d):
+            keep = {t for t, tier in tier_of[d].items() if tier in trained[d]}
+            changes[d] = paired_change({t: v for t, v in b_tasks.items() if t in keep},
+                                       {t: v for t, v in a_tasks.items() if t in keep})
     overall = mean_change(list(changes.values()))
     improvement = overall.delta
     outcomes = count_outcomes(metrics)
@@ -277,8 +287,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "eval_after": p1_after,
         "improvement": round(improvement, 4),
         "improvement_ci95": [round(x, 4) for x in overall.ci95],
-        "changes": {d: {"delta": round(c.delta, 4), "ci95": [round(x, 4) for x in c.ci95],
-                        "n_tasks": c.n_tasks} for d, c in changes.items()},
+        "trained_tiers": {d: sorted(t) for d, t in sorted(trained.items())},
+        "changes": {d: change_json(c) for d, c in changes.items()},
+        "improvement_all_tiers": change_json(mean_change(list(all_tiers.values()))),
+        "changes_all_tiers": {d: change_json(c) for d, c in all_tiers.items()},
         "samples": sum(sum(by_outcome.values()) for by_outcome in outcomes.values()),
         "outcomes": outcomes,
         "logp_mismatch": logp_mismatch_summary(metrics),
@@ -318,6 +330,33 @@ def count_outcomes(metrics: Path) -> dict[str, dict[str, int]]:
                 by_outcome = counts.setdefault(rec["domain"], {})
                 by_outcome[rec["outcome"]] = by_outcome.get(rec["outcome"], 0) + 1
     return counts
+
+
+def change_json(change: Any) -> dict[str, Any]:
+    return {"delta": round(change.delta, 4), "ci95": [round(x, 4) for x in change.ci95],
+            "n_tasks": change.n_tasks}
+
+
+def heldout_tiers(domains: list[str], tasks_per_tier: int) -> dict[str, dict[str, int]]:
+    """The tier of each held-out task `reinforge eval --tasks-per-tier N` scores, by id."""
+    from reinforge.actors.evalsets import HeldOutConfig, build_heldout
+    from reinforge.envs.domain import DomainRegistry
+
+    sets = build_heldout(DomainRegistry.default(), domains,
+                         HeldOutConfig(tasks_per_tier=tasks_per_tier))
+    return {d: {t.task_id: t.tier for t in tasks} for d, tasks in sets.items()}
+
+
+def trained_tiers(metrics: Path) -> dict[str, set[int]]:
+    """The tiers of each domain the run's training rollouts came from."""
+    tiers: dict[str, set[int]] = {}
+    if metrics.exists():
+        with open(metrics) as f:
+            for line in f:
+                rec = json.loads(line)
+                if rec.get("kind") == "scored" and rec.get("purpose", "train") == "train":
+                    tiers.setdefault(rec["domain"], set()).add(rec["tier"])
+    return tiers
 
 
 def guard_summary(metrics: Path) -> dict[str, Any]:

@@ -83,9 +83,11 @@ def build_heldout(
                     f"(0..{len(domain.tiers) - 1})"
                 )
             rng = random.Random(f"heldout:{name}:{tier}:{config.seed}")
+            cap = domain.tiers[tier].max_heldout
+            want = min(config.tasks_per_tier, cap) if cap else config.tasks_per_tier
             got = 0
-            for _ in range(config.tasks_per_tier * 20):
-                if got >= config.tasks_per_tier:
+            for _ in range(want * 20):
+                if got >= want:
                     break
                 task = domain.sample_task(rng, tier)
                 fp = fingerprint(task.prompt)

@@ -30,6 +30,7 @@ Invariants:
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import os
 import sys
@@ -105,6 +106,10 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Groups generated more than this many versions ago are dropped (and counted)."""
     keep_last: int = 3
     """Complete checkpoints kept on disk (the newest one is never deleted)."""
+    keep_every: int = 0
+    """Also keep the two newest versions that are multiples of this: set it to the
+    evaluator's `every_versions`, which loads a version after the learner moved on and rolls
+    back to an earlier one (0: none)."""
     torch_threads: int = 2
     ack_wait_s: float = 120.0
     """JetStream ack wait for held deliveries; a keep-alive renews it every third of it."""
@@ -568,7 +573,9 @@ class Learner(Actor):
         await trio.to_thread.run_sync(self.journal.clear)  # all in the checkpoint now
         await self._publish_weights(version, path)
         await ack_all([t for g in batch for t in g.tickets])
-        await trio.to_thread.run_sync(ckpt.prune_checkpoints, self.root, cfg.keep_last, (version,))
+        await trio.to_thread.run_sync(functools.partial(
+            ckpt.prune_checkpoints, self.root, cfg.keep_last, (version,),
+            keep_every=cfg.keep_every))
         figures.update(step_figures)
         figures.update({
             "wait_s": wait_s, "checkpoint_s": time.monotonic() - t0,

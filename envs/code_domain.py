@@ -298,11 +298,17 @@ class CodeDomain:
     description = "write a Python function; hidden unit tests in the Podman sandbox"
     resource = "sandbox"
     multi_turn = False
+    # A prompt is a function's signature and docstring, from a bank of 5-7 per tier (the
+    # tests vary, the prompt does not): hold out 2 functions per tier, train on the rest.
     tiers = (
-        Tier(level=0, name="one-liner", description="a one-line arithmetic function (add(a, b))"),
-        Tier(level=1, name="loop-or-builtin", description="a list/string function, one loop"),
-        Tier(level=2, name="small-algorithm", description="fibonacci, gcd, running sums, ..."),
-        Tier(level=3, name="algorithm", description="primes, merging, roman numerals, counts"),
+        Tier(level=0, name="one-liner", description="a one-line arithmetic function (add(a, b))",
+             max_heldout=2),
+        Tier(level=1, name="loop-or-builtin", description="a list/string function, one loop",
+             max_heldout=2),
+        Tier(level=2, name="small-algorithm", description="fibonacci, gcd, running sums, ...",
+             max_heldout=2),
+        Tier(level=3, name="algorithm", description="primes, merging, roman numerals, counts",
+             max_heldout=2),
     )
 
     def __init__(self, *, config: CodeConfig | None = None, runner: CodeRunner | None = None):

@@ -92,6 +92,10 @@ class Tier(msgspec.Struct, frozen=True, kw_only=True):
     level: int
     name: str
     description: str
+    max_heldout: int = 0
+    """At most this many distinct prompts of the tier are held out (0: no cap). A tier
+    drawn from a small bank (code's functions) would otherwise lose its whole bank to the
+    held-out set, and training could never reach it."""
 
 
 class TaskSpec(msgspec.Struct, frozen=True, kw_only=True):

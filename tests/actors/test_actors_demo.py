@@ -36,8 +36,12 @@ def test_a_short_demo_advances_versions_scores_every_domain_and_writes_the_repor
     code = result["outcomes"]["code"]
     assert sum(n for outcome, n in code.items() if outcome != "infra_error") > 0, code
     # every tier held out (math has 5, code and docqa 4; 2 tasks each), compared pairwise
-    assert {d: c["n_tasks"] for d, c in result["changes"].items()} == \
+    assert {d: c["n_tasks"] for d, c in result["changes_all_tiers"].items()} == \
         {"math": 10, "code": 8, "docqa": 8}
+    # the headline compares the tiers the run trained, in every domain it trained
+    assert set(result["changes"]) == set(result["trained_tiers"]) == {"math", "code", "docqa"}
+    for d, change in result["changes"].items():
+        assert change["n_tasks"] == 2 * len(result["trained_tiers"][d])
     lo, hi = result["improvement_ci95"]
     assert lo <= result["improvement"] <= hi
     # the forgetting guard ran inside the run, and the learner reported the mismatch
@@ -103,3 +107,19 @@ def test_the_demo_summarises_the_guard_and_the_logprob_mismatch_from_the_metrics
     assert guard_summary(metrics) == {"versions_evaluated": [3, 6], "rollbacks": 1,
                                       "last_pass_at_1": {"math": 0.5}}
     assert logp_mismatch_summary(tmp_path / "none.jsonl") == {"steps": 0}
+
+
+def test_the_demo_knows_the_tier_of_each_held_out_task_and_the_tiers_it_trained(tmp_path):
+    from reinforge.actors.demo import heldout_tiers, trained_tiers
+
+    tiers = heldout_tiers(["math", "code"], 3)
+    assert sorted(tiers["math"].values()) == sorted(list(range(5)) * 3)
+    assert sorted(tiers["code"].values()) == sorted(list(range(4)) * 2)  # capped at 2
+    assert all(t.startswith("heldout-") for t in tiers["math"])
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"kind": "scored", "domain": "math", "tier": 0, "purpose": "train"},
+        {"kind": "scored", "domain": "math", "tier": 2, "purpose": "train"},
+        {"kind": "scored", "domain": "math", "tier": 4, "purpose": "eval"},
+        {"kind": "scored", "domain": "code", "tier": 1, "purpose": "train"}]))
+    assert trained_tiers(metrics) == {"math": {0, 2}, "code": {1}}

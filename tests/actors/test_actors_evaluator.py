@@ -354,3 +354,16 @@ def test_the_mean_of_per_domain_changes_adds_their_variances():
     half = 1.96 * 0.05 ** 0.5 / 2
     assert m.delta == pytest.approx(0.1) and m.n_tasks == 30
     assert m.ci95 == pytest.approx((0.1 - half, 0.1 + half))
+
+
+def test_a_tier_drawn_from_a_small_bank_holds_out_only_its_cap_so_training_keeps_the_rest():
+    from reinforge.envs.code_domain import _BANK
+
+    reg = DomainRegistry.default()
+    held = build_heldout(reg, ["code", "math"], HeldOutConfig(tasks_per_tier=20))
+    code = reg.get("code")
+    for tier, bank in _BANK.items():
+        prompts = {t.prompt for t in held["code"] if t.tier == tier}
+        assert len(prompts) == code.tiers[tier].max_heldout == 2 < len(bank)
+    # math's tiers are large: no cap, 20 per tier
+    assert len(held["math"]) == 20 * len(reg.get("math").tiers)
