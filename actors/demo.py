@@ -293,6 +293,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "changes_all_tiers": {d: change_json(c) for d, c in all_tiers.items()},
         "samples": sum(sum(by_outcome.values()) for by_outcome in outcomes.values()),
         "outcomes": outcomes,
+        "train_reward": train_reward_start_end(metrics),
         "logp_mismatch": logp_mismatch_summary(metrics),
         "guard": guard,
         "versions": version,
@@ -330,6 +331,21 @@ def count_outcomes(metrics: Path) -> dict[str, dict[str, int]]:
                 by_outcome = counts.setdefault(rec["domain"], {})
                 by_outcome[rec["outcome"]] = by_outcome.get(rec["outcome"], 0) + 1
     return counts
+
+
+def train_reward_start_end(metrics: Path, n: int = 500) -> dict[str, list[float]]:
+    """Mean reward of each domain's first and last `n` training rollouts: what RL did on
+    the tasks it trained on (the held-out figures say whether that carried over)."""
+    rewards: dict[str, list[float]] = {}
+    if metrics.exists():
+        with open(metrics) as f:
+            for line in f:
+                rec = json.loads(line)
+                if rec.get("kind") == "scored" and rec.get("purpose", "train") == "train" \
+                        and rec["outcome"] != "infra_error":
+                    rewards.setdefault(rec["domain"], []).append(rec["reward"])
+    return {d: [round(sum(r[:n]) / len(r[:n]), 4), round(sum(r[-n:]) / len(r[-n:]), 4)]
+            for d, r in sorted(rewards.items())}
 
 
 def change_json(change: Any) -> dict[str, Any]:

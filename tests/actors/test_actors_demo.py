@@ -123,3 +123,16 @@ def test_the_demo_knows_the_tier_of_each_held_out_task_and_the_tiers_it_trained(
         {"kind": "scored", "domain": "math", "tier": 4, "purpose": "eval"},
         {"kind": "scored", "domain": "code", "tier": 1, "purpose": "train"}]))
     assert trained_tiers(metrics) == {"math": {0, 2}, "code": {1}}
+
+
+def test_the_demo_reports_the_training_reward_at_the_start_and_the_end(tmp_path):
+    from reinforge.actors.demo import train_reward_start_end
+
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [{"kind": "scored", "domain": "math", "purpose": "train", "outcome": "fail",
+             "reward": 0.0}] * 3 + [{"kind": "scored", "domain": "math", "purpose": "train",
+                                     "outcome": "pass", "reward": 1.0}] * 3
+    rows.append({"kind": "scored", "domain": "math", "purpose": "train",
+                 "outcome": "infra_error", "reward": 0.0})
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert train_reward_start_end(metrics, n=4) == {"math": [0.25, 0.75]}
