@@ -17,6 +17,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -319,17 +320,27 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def count_outcomes(metrics: Path) -> dict[str, dict[str, int]]:
-    """Scored rollouts of the run, per domain and outcome (from the monitor's metrics)."""
-    counts: dict[str, dict[str, int]] = {}
+def metrics_records(metrics: Path, *kinds: str) -> Iterator[dict[str, Any]]:
+    """The monitor's records of these kinds, in order (none when the run wrote no metrics)."""
     if not metrics.exists():
-        return counts
+        return
     with open(metrics) as f:
         for line in f:
             rec = json.loads(line)
-            if rec.get("kind") == "scored":
-                by_outcome = counts.setdefault(rec["domain"], {})
-                by_outcome[rec["outcome"]] = by_outcome.get(rec["outcome"], 0) + 1
+            if rec.get("kind") in kinds:
+                yield rec
+
+
+def training_rollouts(metrics: Path) -> Iterator[dict[str, Any]]:
+    return (r for r in metrics_records(metrics, "scored") if r.get("purpose", "train") == "train")
+
+
+def count_outcomes(metrics: Path) -> dict[str, dict[str, int]]:
+    """Scored rollouts of the run, per domain and outcome."""
+    counts: dict[str, dict[str, int]] = {}
+    for rec in metrics_records(metrics, "scored"):
+        by_outcome = counts.setdefault(rec["domain"], {})
+        by_outcome[rec["outcome"]] = by_outcome.get(rec["outcome"], 0) + 1
     return counts
 
 
@@ -337,13 +348,9 @@ def train_reward_start_end(metrics: Path, n: int = 500) -> dict[str, list[float]
     """Mean reward of each domain's first and last `n` training rollouts: what RL did on
     the tasks it trained on (the held-out figures say whether that carried over)."""
     rewards: dict[str, list[float]] = {}
-    if metrics.exists():
-        with open(metrics) as f:
-            for line in f:
-                rec = json.loads(line)
-                if rec.get("kind") == "scored" and rec.get("purpose", "train") == "train" \
-                        and rec["outcome"] != "infra_error":
-                    rewards.setdefault(rec["domain"], []).append(rec["reward"])
+    for rec in training_rollouts(metrics):
+        if rec["outcome"] != "infra_error":
+            rewards.setdefault(rec["domain"], []).append(rec["reward"])
     return {d: [round(sum(r[:n]) / len(r[:n]), 4), round(sum(r[-n:]) / len(r[-n:]), 4)]
             for d, r in sorted(rewards.items())}
 
@@ -366,12 +373,8 @@ def heldout_tiers(domains: list[str], tasks_per_tier: int) -> dict[str, dict[str
 def trained_tiers(metrics: Path) -> dict[str, set[int]]:
     """The tiers of each domain the run's training rollouts came from."""
     tiers: dict[str, set[int]] = {}
-    if metrics.exists():
-        with open(metrics) as f:
-            for line in f:
-                rec = json.loads(line)
-                if rec.get("kind") == "scored" and rec.get("purpose", "train") == "train":
-                    tiers.setdefault(rec["domain"], set()).add(rec["tier"])
+    for rec in training_rollouts(metrics):
+        tiers.setdefault(rec["domain"], set()).add(rec["tier"])
     return tiers
 
 
@@ -381,16 +384,13 @@ def guard_summary(metrics: Path) -> dict[str, Any]:
     versions: set[int] = set()
     last: dict[str, tuple[int, float]] = {}
     rollbacks = 0
-    if metrics.exists():
-        with open(metrics) as f:
-            for line in f:
-                rec = json.loads(line)
-                if rec.get("kind") == "eval":
-                    versions.add(rec["version"])
-                    if rec["version"] >= last.get(rec["domain"], (-1, 0.0))[0]:
-                        last[rec["domain"]] = (rec["version"], rec["pass_at_1"])
-                elif rec.get("kind") == "rollback":
-                    rollbacks += 1
+    for rec in metrics_records(metrics, "eval", "rollback"):
+        if rec["kind"] == "rollback":
+            rollbacks += 1
+            continue
+        versions.add(rec["version"])
+        if rec["version"] >= last.get(rec["domain"], (-1, 0.0))[0]:
+            last[rec["domain"]] = (rec["version"], rec["pass_at_1"])
     return {"versions_evaluated": sorted(versions), "rollbacks": rollbacks,
             "last_pass_at_1": {d: round(p1, 4) for d, (_, p1) in sorted(last.items())}}
 
@@ -401,13 +401,8 @@ def logp_mismatch_summary(metrics: Path) -> dict[str, float]:
     means, the largest gap seen."""
     import statistics
 
-    steps: list[dict[str, float]] = []
-    if metrics.exists():
-        with open(metrics) as f:
-            for line in f:
-                rec = json.loads(line)
-                if rec.get("kind") == "train" and "logp_mismatch_mean_nats" in rec["figures"]:
-                    steps.append(rec["figures"])
+    steps = [rec["figures"] for rec in metrics_records(metrics, "train")
+             if "logp_mismatch_mean_nats" in rec["figures"]]
     if not steps:
         return {"steps": 0}
     out = {
