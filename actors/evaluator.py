@@ -99,6 +99,10 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 # ----------------------------------------------------------------------------- scoring
 
 
+class VersionGone(Exception):
+    """The checkpoint of a version to evaluate was deleted before the evaluator got to it."""
+
+
 class DomainScore(msgspec.Struct, frozen=True, kw_only=True):
     domain: str
     n_tasks: int
@@ -383,6 +387,7 @@ class Evaluator(Actor):
         self.tokenizer: Any = None
         self.served_version: int | None = None
         self.last_scores: dict[str, DomainScore] = {}
+        self.skipped_versions = 0
 
     async def _feed_training_prompts(self, checker: ContaminationChecker) -> None:
         """The training files, then every training task already stored in the run's stream."""
@@ -410,6 +415,7 @@ class Evaluator(Actor):
 
     def figures(self) -> dict[str, float]:
         out: dict[str, float] = {"evaluated_versions": float(len(self.state.evaluated)),
+                                 "skipped_versions": float(self.skipped_versions),
                                  "rollbacks": float(len(self.state.rolled_back))}
         if self.state.last_good is not None:
             out["last_good_version"] = float(self.state.last_good.version)
@@ -451,7 +457,12 @@ class Evaluator(Actor):
         key = f"{msg.version}:{msg.path}"
         if key in self.state.evaluated or msg.version % cfg.every_versions:
             return
-        source = await self.source_for(msg)
+        try:
+            source = await self.source_for(msg)
+        except VersionGone as exc:  # pruned before its turn came: a later one will do
+            self.skipped_versions += 1
+            print(f"evaluator: {exc}", file=sys.stderr, flush=True)
+            return
         with self.ctx.waiting(f"evaluating version {msg.version}", deadline_s=cfg.ack_wait_s):
             t0 = time.monotonic()
             scores = await evaluate_sets(self.sets, self.domains, source,
@@ -502,6 +513,9 @@ class Evaluator(Actor):
         from reinforge.actors.rollout_server import SamplerConfig, ServerProcess
 
         cfg: EvaluatorConfig = self.config
+        if not Path(msg.path).is_dir():
+            raise VersionGone(f"v{msg.version} skipped: {msg.path} is gone (set the learner's "
+                              "keep_every to the evaluator's every_versions)")
         if self.client is None:
             url = cfg.server_url
             if not url:

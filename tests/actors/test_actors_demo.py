@@ -22,7 +22,7 @@ def test_a_short_demo_advances_versions_scores_every_domain_and_writes_the_repor
         out = subprocess.run(
             [sys.executable, "-m", "reinforge", "demo", "--minutes", "4", "--run", "ci-demo",
              "--domains", "math,code,docqa", "--groups-per-batch", "1", "--eval-k", "2",
-             "--eval-tasks-per-tier", "2", "--guard-every", "3", "--json"],
+             "--eval-tasks-per-tier", "2", "--guard-every", "10", "--json"],
             env=env, cwd=ROOT, capture_output=True, text=True, timeout=840,
         )
     finally:  # even after a timeout: leave no cluster, nats-server or sandbox running

@@ -31,7 +31,7 @@ from reinforge.actors.evaluator import (
 )
 from reinforge.core import messages as m
 from reinforge.core import subjects
-from reinforge.core.actor import run_actor
+from reinforge.core.actor import RuntimeConfig, run_actor
 from reinforge.core.bus import open_bus
 from reinforge.envs.domain import DomainRegistry
 
@@ -367,3 +367,34 @@ def test_a_tier_drawn_from_a_small_bank_holds_out_only_its_cap_so_training_keeps
         assert len(prompts) == code.tiers[tier].max_heldout == 2 < len(bank)
     # math's tiers are large: no cap, 20 per tier
     assert len(held["math"]) == 20 * len(reg.get("math").tiers)
+
+
+@pytest.mark.nats
+def test_a_version_pruned_before_its_turn_is_skipped_and_counted_not_retried(
+        creds, run_name, tmp_path):
+    cfg = EvaluatorConfig(domains=["math"], k=1, heldout=HELD, every_versions=1,
+                          state_file=str(tmp_path / "ev.json"))
+
+    async def main():
+        async with open_bus(creds) as bus:
+            await bus.ensure_run_stream(run_name)
+            async with trio.open_nursery() as nursery, \
+                    bus.subscribe(subjects.heartbeat(run_name, "*")) as beats:
+                await nursery.start(functools.partial(
+                    run_actor, Evaluator, creds=creds, run=run_name, config=cfg,
+                    runtime=RuntimeConfig(heartbeat_s=0.2)))
+                await bus.publish_durable(
+                    subjects.weights(run_name),
+                    m.WeightsPublished(version=1, path=str(tmp_path / "v1-pruned"), step=1),
+                    msg_id="weights:1")
+                with trio.fail_after(30):
+                    async for batch in beats:
+                        figures = [m.decode(r.data).figures for r in batch]
+                        if any(f.get("skipped_versions") == 1.0 for f in figures):
+                            break
+                nursery.cancel_scope.cancel()
+        return figures
+
+    figures = trio.run(main)
+    skipped = next(f for f in figures if f.get("skipped_versions") == 1.0)
+    assert skipped["evaluated_versions"] == 0.0  # no server was started for it

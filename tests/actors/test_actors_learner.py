@@ -302,7 +302,7 @@ def test_pruning_keeps_the_two_newest_multiples_of_keep_every_for_the_evaluator(
     root = tmp_path / "ck"
     for v in range(1, 13):  # manifests only: pruning looks at nothing else
         (root / f"v{v}").mkdir(parents=True)
-        (root / f"v{v}" / ckpt.MANIFEST).write_text("{}")
+        (root / f"v{v}" / ckpt.MANIFEST).write_text(f'{{"version": {v}}}')
     assert [v for v, _ in ckpt.list_checkpoints(root)] == list(range(1, 13))
     deleted = ckpt.prune_checkpoints(root, keep_last=2, protect=(12,), keep_every=4)
     assert deleted == [1, 2, 3, 4, 5, 6, 7, 9, 10]
