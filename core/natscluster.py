@@ -23,10 +23,12 @@ is noticed in seconds rather than after the two-minute default.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
-from reinforge.core.natsd import NatsCredentials, NatsServerError, _free_port, find_nats_server
+from reinforge.core.natsd import NatsCredentials, NatsServerError, find_nats_server
 
 CLIENT_PORT = 4222
 ROUTE_PORT = 6222
@@ -154,12 +156,19 @@ class NatsCluster:
     # -- configuration ------------------------------------------------------------------
 
     def _assign_ports(self) -> None:
-        for n in self.nodes:
-            for attr in ("client_port", "route_port", "monitor_port"):
-                if not getattr(n, attr):
-                    if n.netns:
-                        raise ValueError(f"node {n.name} in netns {n.netns} needs fixed ports")
-                    setattr(n, attr, _free_port())
+        """Free loopback ports for the nodes' unset ports, all distinct: every socket is held
+        until all are chosen (closing each at once let the kernel hand one out twice)."""
+        wanted = [(n, attr) for n in self.nodes
+                  for attr in ("client_port", "route_port", "monitor_port")
+                  if not getattr(n, attr)]
+        for n, _ in wanted:
+            if n.netns:
+                raise ValueError(f"node {n.name} in netns {n.netns} needs fixed ports")
+        with contextlib.ExitStack() as held:
+            for n, attr in wanted:
+                s = held.enter_context(socket.socket())
+                s.bind(("127.0.0.1", 0))
+                setattr(n, attr, s.getsockname()[1])
 
     def config_text(self, node: ClusterNode) -> str:
         """The nats-server config of `node` (contains secrets: written 0600)."""
@@ -252,9 +261,15 @@ class NatsCluster:
     def start(self, timeout_s: float = 30.0) -> NatsCluster:
         """Start every node that is not running; return once all of them report healthy."""
         self._assign_ports()
-        for n in self.nodes:
-            self._spawn(n)
-        self.wait_healthy(timeout_s=timeout_s)
+        started = [n.name for n in self.nodes if not n.running]
+        try:
+            for name in started:
+                self._spawn(self.node(name))
+            self.wait_healthy(timeout_s=timeout_s)
+        except BaseException:  # no half-started cluster outlives a failed start
+            for name in started:
+                self.stop_node(name, kill=True)
+            raise
         return self
 
     def start_node(self, name: str, timeout_s: float = 30.0) -> None:

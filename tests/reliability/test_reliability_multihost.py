@@ -386,3 +386,19 @@ def test_clients_over_tls_trust_the_cluster_ca_and_a_plain_text_client_is_refuse
         trio.run(main, creds)
     finally:
         c.stop(kill=True)
+
+
+def test_a_cluster_that_fails_to_start_leaves_no_node_running_and_its_ports_are_distinct(tmp_path):
+    import socket
+
+    find_nats_server()
+    c = NatsCluster.on_loopback(tmp_path / "nats", 3, cluster_name="rf-fail")
+    with socket.socket() as taken:  # n2's client port is already in use: n2 cannot start
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        c.node("n2").client_port = taken.getsockname()[1]
+        with pytest.raises(Exception, match="n2 exited"):
+            c.start(timeout_s=30)
+    assert [n.name for n in c.nodes if n.running] == []
+    ports = [getattr(n, a) for n in c.nodes for a in ("client_port", "route_port", "monitor_port")]
+    assert len(set(ports)) == 9
