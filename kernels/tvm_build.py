@@ -70,7 +70,8 @@ def configure_threads(num_threads: int | None) -> int:
 
 
 def host_target() -> Any:
-    """The llvm target for this CPU, by name (never "native": see shared/notes/tvm.md)."""
+    """The llvm target for this CPU, by name. Never "native": with the wheel's default triple
+    TVM rejects it and falls back to a generic CPU (no AVX-512)."""
     import tvm
 
     cpu = tvm.target.codegen.llvm_get_system_cpu()

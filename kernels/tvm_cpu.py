@@ -6,7 +6,7 @@ stay symbolic, so one compiled function serves every batch. The formats are docu
 `reinforge.kernels.paged_kv`; the torch twin there is the reference each kernel is tested
 against.
 
-Design notes (measured, see shared/notes/tvm.md):
+Design notes (each measured on the development machines):
   * scalars are ``T.let`` (a plain assignment becomes a heap-allocated 0-d buffer per
     iteration) and scratch arrays are small constant `T.alloc_buffer`s (stack allocas);
   * ``T.exp2`` is a scalar libm call, so softmax uses `_exp2`, a vectorisable polynomial;
