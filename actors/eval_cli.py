@@ -99,7 +99,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 async def _eval(args: argparse.Namespace, domains: list[str], samples: int, heldout: Any) -> int:
     import trio
     from reinforge.actors.evalsets import build_heldout, check_contamination
-    from reinforge.actors.evaluator import ServerSource, evaluate_sets, load_tokenizer
+    from reinforge.actors.evaluator import ServerSource, evaluate_sets
+    from reinforge.engine.tokenizer import load_tokenizer
     from reinforge.actors.rollout_client import RolloutClient, RolloutServerUnavailable
     from reinforge.envs.domain import DomainRegistry
 

@@ -25,7 +25,6 @@ the regression guard that rolls a bad version back.
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import sys
 import tempfile
@@ -46,7 +45,9 @@ from reinforge.actors.evalsets import (
 from reinforge.actors.prompts import task_prompt_ids
 from reinforge.core import paths, subjects
 from reinforge.core.actor import Actor, Input
+from reinforge.core.atomic import write_json_atomic
 from reinforge.core.messages import EvalStats, Rollback, Task, WeightsPublished, decode
+from reinforge.engine.tokenizer import load_tokenizer
 from reinforge.envs.domain import TaskSpec
 
 
@@ -310,29 +311,12 @@ def load_evaluator_state(path: Path) -> EvaluatorState:
                          "start afresh)") from None
 
 
-def save_json_atomic(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(msgspec.json.encode(obj))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def loud(text: str) -> None:
     bar = "!" * 72
     print(f"{bar}\nevaluator: {text}\n{bar}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------- generation
-
-
-def load_tokenizer(path: str) -> Any:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 class ServerSource:
@@ -452,7 +436,7 @@ class Evaluator(Actor):
             # the learner reuses the numbers (and paths) past to_version: score them afresh
             self.state.evaluated = [k for k in self.state.evaluated
                                     if int(k.split(":", 1)[0]) <= msg.to_version]
-            save_json_atomic(self.state_path, self.state)
+            write_json_atomic(self.state_path, self.state)
             return
         key = f"{msg.version}:{msg.path}"
         if key in self.state.evaluated or msg.version % cfg.every_versions:
@@ -472,7 +456,7 @@ class Evaluator(Actor):
         await self.publish_scores(msg.version, scores, time.monotonic() - t0)
         await self.guard(msg, scores)
         self.state.evaluated.append(key)
-        save_json_atomic(self.state_path, self.state)
+        write_json_atomic(self.state_path, self.state)
 
     async def publish_scores(
         self, version: int, scores: dict[str, DomainScore], took_s: float

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 
 import msgspec
 import trio
+from reinforge.core.atomic import write_atomic
 
 
 # ----------------------------------------------------------------------------- JSONL
@@ -264,13 +264,6 @@ async def _serve_one(stream: trio.SocketStream, routes: dict[str, Route]) -> Non
         await stream.aclose()
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write a JSON file so that readers never see half of it (temp + fsync + rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(_json_safe(obj), f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def write_json_file(path: Path, obj: Any) -> None:
+    """An indented JSON file for people and dashboards (NaN as null), written atomically."""
+    write_atomic(path, json.dumps(_json_safe(obj), indent=1).encode())

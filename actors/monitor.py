@@ -523,7 +523,7 @@ class Monitor(Actor):
             if self.config.port >= 0:
                 self.port = await nursery.start(functools.partial(
                     mx.serve_http, self._pages(), host=self.config.host, port=self.config.port))
-                mx.write_json_atomic(self.dir / "monitor.json", {
+                mx.write_json_file(self.dir / "monitor.json", {
                     "host": self.config.host, "port": self.port, "pid": os.getpid(),
                     "actor_id": self.ctx.actor_id,
                     "url": f"http://{self.config.host}:{self.port}/metrics",
@@ -595,7 +595,7 @@ class Monitor(Actor):
         self._last = snap
         record = msgspec.to_builtins(snap)
         self._write({**record, "kind": "snapshot"})
-        mx.write_json_atomic(self.dir / "metrics" / "snapshot.json", record)
+        mx.write_json_file(self.dir / "metrics" / "snapshot.json", record)
         if self.tb is not None:
             self.tb.scalars(tensorboard_scalars(snap), step=int(snap.elapsed_s), walltime=snap.t)
             self.tb.flush()

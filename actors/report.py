@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from reinforge.actors.metrics import read_jsonl, write_json_atomic
+from reinforge.actors.metrics import read_jsonl, write_json_file
 
 Record = dict[str, Any]
 
@@ -549,5 +549,5 @@ def build_report(metrics_path: Path, out_dir: Path, *, run: str = "") -> Report:
                                     str(metrics_path)), encoding="utf-8")
     report = Report(run=run, out_dir=str(out_dir), page=str(page), plots=plots,
                     missing=missing, figures=figures, domains=domains, processes=processes)
-    write_json_atomic(out_dir / "report.json", msgspec.to_builtins(report))
+    write_json_file(out_dir / "report.json", msgspec.to_builtins(report))
     return report

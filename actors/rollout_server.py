@@ -15,7 +15,7 @@ import msgspec
 import trio
 
 from reinforge.actors.rollout_client import RolloutClient
-from reinforge.cli import reinforge_argv
+from reinforge.cli import serve_argv
 
 
 class SamplerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -73,12 +73,11 @@ class SamplerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 def server_command(cfg: SamplerConfig, port_file: str) -> list[str]:
     """The command line that starts this sampler's rollout server."""
     if cfg.backend == "embedded":
-        cmd = reinforge_argv("serve", "--model", cfg.model_path, "--port", "0",
-                             "--port-file", port_file)
-    else:
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path,
-               "--host", "127.0.0.1", "--port", str(_free_port())]
-    return [*cmd, "--weight-version", str(cfg.initial_version), *cfg.server_args]
+        return serve_argv(cfg.model_path, port_file=port_file,
+                          weight_version=cfg.initial_version, extra=cfg.server_args)
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path,
+            "--host", "127.0.0.1", "--port", str(_free_port()),
+            "--weight-version", str(cfg.initial_version), *cfg.server_args]
 
 
 def _die_with_parent() -> None:

@@ -49,6 +49,7 @@ from reinforge.actors.rollout_client import (
 from reinforge.actors.prompts import task_prompt_ids
 from reinforge.actors.sandboxing import hold_sandbox_runner, sandbox_labels
 from reinforge.core import subjects
+from reinforge.engine.tokenizer import load_tokenizer
 from reinforge.core.actor import Actor, Input, Reject, Retry
 from reinforge.core.messages import (
     Rollback,
@@ -228,7 +229,7 @@ class SamplerActor(Actor):
                 tok_path = str((await self.client.model_info()).get("tokenizer_path") or "")
         if not tok_path:
             raise ValueError("SamplerConfig: no tokenizer_path, model_path, or server tokenizer")
-        self.tokenizer = await trio.to_thread.run_sync(_load_tokenizer, tok_path)
+        self.tokenizer = await trio.to_thread.run_sync(load_tokenizer, tok_path)
         await self.catch_up_weights()
 
     async def teardown(self) -> None:
@@ -488,8 +489,3 @@ class SamplerActor(Actor):
         return ep
 
 
-def _load_tokenizer(path: str) -> Any:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)

@@ -143,11 +143,12 @@ def run_sft(cfg: SFTConfig, progress: Callable[[str], None] = lambda s: None) ->
                 **existing.extra.get("summary", {})}
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from reinforge.engine.tokenizer import load_tokenizer
+    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(cfg.torch_threads)
     torch.manual_seed(cfg.seed)
-    tok = AutoTokenizer.from_pretrained(cfg.model)
+    tok = load_tokenizer(cfg.model)
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
     model.train()
     examples = [encode_demo(tok, d, chat_template=cfg.chat_template) for d in demos]

@@ -123,13 +123,14 @@ def main() -> int:
     from reinforge.engine.loader import load_model
     from reinforge.engine.sampling import SamplingParams
     from reinforge.engine.tiny import init_tiny_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from reinforge.engine.tokenizer import load_tokenizer
+    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads or default_torch_threads())
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
     tmp = tempfile.TemporaryDirectory()
     model_dir = Path(args.model) if args.model else init_tiny_model(Path(tmp.name) / "tiny")
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = load_tokenizer(model_dir)
     prompts = task_prompts(tok, args.prompts)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     model = load_model(model_dir)

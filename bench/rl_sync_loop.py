@@ -152,14 +152,14 @@ class CpuMeter:
 class SyncLoop:
     def __init__(self, sft: Path, domains: dict[str, Any], settings: SyncSettings,
                  work_dir: Path, client: RolloutClient) -> None:
-        from transformers import AutoTokenizer
+        from reinforge.engine.tokenizer import load_tokenizer
 
         self.sft = sft
         self.domains = domains
         self.s = settings
         self.root = work_dir / "checkpoints"
         self.client = client
-        self.tokenizer = AutoTokenizer.from_pretrained(str(sft))
+        self.tokenizer = load_tokenizer(sft)
         self.learner_cfg = LearnerConfig(model=str(sft), groups_per_batch=settings.groups_per_batch,
                                          group_size=settings.group_size,
                                          learning_rate=settings.learning_rate, torch_threads=1)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
+from reinforge.core.atomic import write_json_atomic
 
 
 class NatsServerError(RuntimeError):
@@ -52,12 +53,7 @@ class NatsCredentials(msgspec.Struct, frozen=True, kw_only=True):
         return [self.with_auth_url(u) for u in [self.url, *self.extra_urls]]
 
     def write(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(msgspec.json.encode(self))
-        os.replace(tmp, path)
+        write_json_atomic(path, self, mode=0o600)
 
     @classmethod
     def read(cls, path: Path) -> NatsCredentials:

@@ -12,7 +12,6 @@ find (and, as a last resort, kill) anything of the run left on this host.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -24,8 +23,9 @@ from typing import Any
 
 import trio
 
-from reinforge.cli import reinforge_argv
+from reinforge.cli import reinforge_argv, serve_argv
 from reinforge.core import paths, subjects
+from reinforge.core.atomic import write_json_atomic
 from reinforge.core.bus import Bus, open_bus
 from reinforge.core.cluster import ActorSpec, ClusterConfig, config_to_overrides
 from reinforge.core.messages import (
@@ -275,9 +275,8 @@ class Supervisor:
         spec = self.config.rollout_server
         port_file = self.run_dir / "rollout_server.port"
         port_file.unlink(missing_ok=True)
-        argv = reinforge_argv("serve", "--model", spec.model, "--port", str(spec.port),
-                              "--port-file", str(port_file),
-                              "--kv-cache-dtype", spec.kv_cache_dtype, *spec.extra_args)
+        argv = serve_argv(spec.model, port=spec.port, port_file=str(port_file),
+                          kv_cache_dtype=spec.kv_cache_dtype, extra=spec.extra_args)
         child = Child("rollout-server", argv, self.log_dir / "rollout-server.log",
                       ready_file=port_file)
         self.add_children([child])
@@ -290,7 +289,7 @@ class Supervisor:
         # A restart must come back where the samplers look for it: pin the chosen port.
         child.argv[child.argv.index("--port") + 1] = str(port)
         self.rollout_url = f"http://127.0.0.1:{port}"
-        (self.run_dir / "rollout_server.json").write_text(json.dumps({"url": self.rollout_url}))
+        write_json_atomic(self.run_dir / "rollout_server.json", {"url": self.rollout_url})
 
     async def _listen_for_signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -451,7 +450,4 @@ def subprocess_devnull() -> int:
 
 
 def write_pidfile(path: Path, **extra: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "started_at": time.time(), **extra}))
-    os.replace(tmp, path)
+    write_json_atomic(path, {"pid": os.getpid(), "started_at": time.time(), **extra})
