@@ -1,4 +1,4 @@
-"""One async HTTP client for the SGLang API subset (notes/sglang_api.md), for SGLang and the
+"""One async HTTP client for the SGLang API subset (the endpoints engine/server.py serves), for SGLang and the
 embedded `reinforge serve` alike; it runs under trio (httpx on anyio).
 
     async with RolloutClient("http://127.0.0.1:30000") as client:

