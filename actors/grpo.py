@@ -45,6 +45,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+from reinforge.engine.sampling import token_logprobs
 
 
 class AdvantageNorm(str, enum.Enum):
@@ -133,16 +134,13 @@ def domain_reward_scales(
     return out
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
-    """log_softmax(logits / T)[target] per position: the sampler's definition of a logprob.
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
+    """The logprob of each target token, as the rollout server defines it
+    (`engine.sampling.token_logprobs`: temperature-scaled, T = 1 for greedy sampling).
 
-    `logits` [..., V] and `targets` [...] (same leading shape). T must be > 0 (a greedy
-    sampler reports T=1 logprobs, so pass 1.0 for greedy rollouts).
+    `logits` [..., V] and `targets` [...] (same leading shape) -> [...].
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    scaled = logits.float() / temperature if temperature != 1.0 else logits.float()
-    logp = torch.log_softmax(scaled, dim=-1)
+    logp = token_logprobs(logits, temperature)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 

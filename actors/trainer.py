@@ -21,7 +21,7 @@ from reinforge.actors.grpo import (
     k3_kl,
     summarise_gaps,
     tis_policy_terms,
-    token_logprobs,
+    target_logprobs,
     token_mean,
 )
 
@@ -64,7 +64,7 @@ def sequence_logprobs(
     rows = torch.arange(b).unsqueeze(1).expand(b, t_out)
     picked = logits[rows, pos]  # [B, T_out, V]
     targets = ids[rows, (pos + 1).clamp(max=length - 1)]
-    logp = token_logprobs(picked, targets, temperature) * mask
+    logp = target_logprobs(picked, targets, temperature) * mask
     return logp, mask
 
 

@@ -69,10 +69,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 # ----------------------------------------------------------------------------- the maths
 
 
-def token_logprobs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """log_softmax(logits / T) per row, T = 1 for greedy rows. logits [B,V], T [B] -> [B,V]."""
-    t = torch.where(temperatures < GREEDY_TEMPERATURE, torch.ones_like(temperatures), temperatures)
-    return torch.log_softmax(logits / t[:, None], dim=-1)
+def token_logprobs(logits: torch.Tensor, temperatures: torch.Tensor | float) -> torch.Tensor:
+    """log_softmax(logits / T) in float32, T = 1 where sampling is greedy: reinforge's one
+    definition of a logprob (the rollout server reports it, the learner recomputes it).
+
+    logits [..., V]; temperatures a float or a tensor of logits' leading shape -> [..., V].
+    """
+    t = torch.as_tensor(temperatures, dtype=torch.float32, device=logits.device)
+    t = torch.where(t < GREEDY_TEMPERATURE, torch.ones_like(t), t)
+    return torch.log_softmax(logits.float() / t[..., None], dim=-1)
 
 
 def truncation_mask(

@@ -6,6 +6,7 @@ import pytest
 import torch
 from reinforge.actors import grpo
 from reinforge.actors.grpo import AdvantageNorm
+from reinforge.engine.sampling import token_logprobs
 
 
 def t(xs, dtype=torch.float64):
@@ -85,8 +86,8 @@ def test_the_ratio_is_exactly_one_on_policy_and_the_gradient_is_reinforce():
     torch.manual_seed(0)
     logits = torch.randn(2, 5, 11, dtype=torch.float32)
     targets = torch.randint(0, 11, (2, 5))
-    behaviour = grpo.token_logprobs(logits, targets, temperature=0.7)
-    logp = grpo.token_logprobs(logits.clone().requires_grad_(True), targets, temperature=0.7)
+    behaviour = grpo.target_logprobs(logits, targets, temperature=0.7)
+    logp = grpo.target_logprobs(logits.clone().requires_grad_(True), targets, temperature=0.7)
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
     adv = t([0.5, -1.5], torch.float32)
     terms = grpo.clipped_policy_terms(logp, behaviour, adv, mask)
@@ -99,14 +100,24 @@ def test_the_ratio_is_exactly_one_on_policy_and_the_gradient_is_reinforce():
     assert torch.allclose(lp.grad, want)
 
 
-def test_token_logprobs_are_log_softmax_of_tempered_logits():
+def test_target_logprobs_are_log_softmax_of_tempered_logits():
     logits = t([[2.0, 0.0, -1.0]])
-    got = grpo.token_logprobs(logits, torch.tensor([0]), temperature=2.0)
+    got = grpo.target_logprobs(logits, torch.tensor([0]), temperature=2.0)
     z = [1.0, 0.0, -0.5]
     want = z[0] - math.log(sum(math.exp(v) for v in z))
     assert float(got) == pytest.approx(want, rel=1e-6)
-    with pytest.raises(ValueError, match="temperature must be > 0"):
-        grpo.token_logprobs(logits, torch.tensor([0]), temperature=0.0)
+
+
+def test_target_logprobs_match_what_the_rollout_server_reports_greedy_included():
+    """The learner reads logprobs by the server's one definition: greedy (T = 0) is T = 1."""
+    logits = torch.randn(3, 4, 11)
+    targets = torch.randint(0, 11, (3, 4))
+    for temperature in (0.0, 0.7, 1.0):
+        served = token_logprobs(logits.reshape(12, 11), torch.full((12,), temperature))
+        want = served.gather(1, targets.reshape(12, 1)).reshape(3, 4)
+        assert torch.equal(grpo.target_logprobs(logits, targets, temperature), want)
+    assert torch.equal(grpo.target_logprobs(logits, targets, 0.0),
+                       grpo.target_logprobs(logits, targets, 1.0))
 
 
 def test_token_mean_over_micro_batches_equals_the_whole_batch_mean():
@@ -174,12 +185,12 @@ def test_tis_changes_neither_loss_nor_gradient_on_policy():
     torch.manual_seed(0)
     logits = torch.randn(2, 5, 11, dtype=torch.float64)
     targets = torch.randint(0, 11, (2, 5))
-    behaviour = grpo.token_logprobs(logits, targets)
+    behaviour = grpo.target_logprobs(logits, targets)
     mask = torch.tensor([[1, 1, 0, 1, 1], [1, 1, 1, 0, 0]])
     adv = t([0.5, -1.5])
     grads, losses = [], []
     for tis in (False, True):
-        logp = grpo.token_logprobs(logits.clone().requires_grad_(True), targets)
+        logp = grpo.target_logprobs(logits.clone().requires_grad_(True), targets)
         logp.retain_grad()
         if tis:
             terms, w = grpo.tis_policy_terms(logp, behaviour, adv, mask, cap=2.0)
