@@ -19,6 +19,11 @@ sampler died before acking it, the lease covers the rest (lost groups, dead-lett
 rollouts). State (tiers, rates, leases, counters) is saved atomically to
 `<run_dir>/scheduler_state.json` and reloaded at start.
 
+Clocks: leases, stalls and saving run on trio's clock (`trio.current_time()`), so tests move
+them with a fake clock. Its zero means nothing to another process: the state file carries the
+wall-clock offset it was saved with, and a restart moves the saved times onto its own clock,
+so a lease keeps its wall-clock deadline (work went on while the scheduler was down).
+
 Figures (heartbeats, `reinforge status`): per domain the tier, the tier mix, the groups,
 the informative groups, the **wasted tokens** (tokens of groups whose rewards were all
 equal: no GRPO signal), the reward mean/std (the learner's normalisation inputs).
@@ -35,6 +40,7 @@ verifier announces every registered domain, and a math-only run must stay math-o
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import re
@@ -166,6 +172,7 @@ class Lease(msgspec.Struct, kw_only=True):
     """The underlying task (recurring tasks are issued under fresh task ids)."""
     issued_at: float
     deadline: float
+    """Both on the scheduler's clock (see `SchedulerState.clock_offset_s`)."""
 
 
 class GroupTally(msgspec.Struct, kw_only=True):
@@ -178,6 +185,7 @@ class GroupTally(msgspec.Struct, kw_only=True):
     """sample indices whose verification failed for infrastructure reasons (no signal)."""
     tokens: int = 0
     first_seen: float = 0.0
+    """On the scheduler's clock (see `SchedulerState.clock_offset_s`)."""
     oldest_version: int = -1
     """The oldest policy version among its samples (-1: none yet)."""
 
@@ -227,6 +235,29 @@ class SchedulerState(msgspec.Struct, kw_only=True):
     """Task ids given up after max_attempts (the newest 4096): the record an accounting
     check (bench/chaos.py) reads as their reason for never reaching the learner."""
     stall_releases: int = 0
+    clock_offset_s: float = 0.0
+    """Wall-clock time minus the scheduler's clock when this was saved: what turns the lease
+    and tally times into wall-clock times. States saved before there was one hold wall-clock
+    times already: 0."""
+
+
+def wall_clock_offset() -> float:
+    """Wall-clock time minus trio's clock, now: the one place the scheduler reads the wall
+    clock, because only wall-clock time means the same to the process that saved a state
+    and the one that loads it."""
+    return time.time() - trio.current_time()
+
+
+def move_onto_clock(state: SchedulerState, offset: float) -> None:
+    """Shift a loaded state's times onto the clock whose wall-clock offset is `offset`;
+    their wall-clock values stay, so the time the scheduler was down counts against them."""
+    shift = state.clock_offset_s - offset
+    for lease in state.leases.values():
+        lease.issued_at += shift
+        lease.deadline += shift
+    for tally in state.tallies.values():
+        tally.first_seen += shift
+    state.clock_offset_s = offset
 
 
 def save_state(path: Path, state: SchedulerState) -> None:
@@ -296,6 +327,7 @@ class Scheduler(Actor):
         self.mix_path = Path(cfg.mix_file) if cfg.mix_file else run_dir / "scheduler_mix.json"
         self.registry = DomainRegistry.default(cfg.domain_specs)
         self.state = load_state(self.state_path) or SchedulerState()
+        move_onto_clock(self.state, wall_clock_offset())
         self.mix = MixOverride()
         self._mix_mtime = -1.0
         self.curricula: dict[str, DomainCurriculum] = {}
@@ -305,8 +337,8 @@ class Scheduler(Actor):
         for name in cfg.domains:
             self._join(name)
         self._dirty = True
-        self._last_persist = 0.0
-        self._stalled_since = time.monotonic()
+        self._last_persist = -math.inf  # never saved: the first save is due at once
+        self._stalled_since = trio.current_time()
         self._wakeup = trio.Event()
         latest = await self.ctx.bus.last_message(self.ctx.stream, subjects.weights(self.ctx.run))
         if latest is not None:
@@ -377,7 +409,8 @@ class Scheduler(Actor):
         tally = self.state.tallies.get(key)
         if tally is None:
             tally = self.state.tallies[key] = GroupTally(
-                domain=r.domain, tier=r.tier, group_size=r.group_size, first_seen=time.time()
+                domain=r.domain, tier=r.tier, group_size=r.group_size,
+                first_seen=trio.current_time(),
             )
         if index in tally.rewards or index in tally.infra:
             return
@@ -476,8 +509,9 @@ class Scheduler(Actor):
     async def main(self) -> None:
         while True:
             self._reload_mix()
-            self._release_if_stalled(time.monotonic())
-            tasks = [*self._expired_leases(time.time()), *self._plan()]
+            now = trio.current_time()
+            self._release_if_stalled(now)
+            tasks = [*self._expired_leases(now), *self._plan(now)]
             if tasks:
                 # Write-ahead: the leases (and the issue counter that names tasks) are on
                 # disk before any task is out, so a restarted scheduler never reuses an id
@@ -548,8 +582,9 @@ class Scheduler(Actor):
             signal_rate=new_task_rate,
         )
 
-    def _plan(self) -> Iterator[Task]:
-        """New tasks within the budget, domain by the mix, tier by the curriculum."""
+    def _plan(self, now: float) -> Iterator[Task]:
+        """New tasks within the budget, domain by the mix, tier by the curriculum; their
+        leases start at `now`."""
         by_domain = self._in_flight_by_domain()
         eligible = set(self.curricula)
         for _ in range(self.budget()):
@@ -560,14 +595,14 @@ class Scheduler(Actor):
                 return
             rng = random.Random(f"{self.config.seed}:{self.state.issued}")
             domain = draw_domain(probs, rng)
-            task = self._new_task(domain, rng)
+            task = self._new_task(domain, rng, now)
             if task is None:
                 eligible.discard(domain)
                 continue
             by_domain[domain] = by_domain.get(domain, 0) + 1
             yield task
 
-    def _new_task(self, name: str, rng: random.Random) -> Task | None:
+    def _new_task(self, name: str, rng: random.Random, now: float) -> Task | None:
         cfg: SchedulerConfig = self.config
         curriculum = self.curricula[name]
         tier = curriculum.choose_tier(rng, cfg.group_size)
@@ -587,7 +622,6 @@ class Scheduler(Actor):
             purpose="train",
         )
         st.issued += 1
-        now = time.time()
         st.leases[task.task_id] = Lease(task=task, base_id=spec.task_id, issued_at=now,
                                         deadline=now + cfg.lease_s)
         st.counters[name].issued += 1
@@ -683,8 +717,9 @@ class Scheduler(Actor):
         say(f"mix from {self.mix_path}: {msgspec.json.encode(mix).decode()}")
 
     def _persist_if_due(self, force: bool = False) -> None:
-        now = time.monotonic()
+        now = trio.current_time()
         if self._dirty and (force or now - self._last_persist >= self.config.persist_every_s):
+            self.state.clock_offset_s = wall_clock_offset()
             save_state(self.state_path, self.state)
             self._dirty = False
             self._last_persist = now

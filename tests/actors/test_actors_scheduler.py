@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import signal
@@ -15,11 +16,14 @@ import trio
 from reinforge.actors.curriculum import CurriculumConfig
 from reinforge.actors.evalsets import HeldOutConfig, build_heldout, fingerprint
 from reinforge.actors.scheduler import (
+    GroupTally,
+    Lease,
     Scheduler,
     SchedulerConfig,
     SchedulerState,
     group_key,
     load_state,
+    move_onto_clock,
     save_state,
     split_rollout_id,
 )
@@ -29,6 +33,7 @@ from reinforge.core.actor import RuntimeConfig, run_actor
 from reinforge.core.bus import open_bus
 from reinforge.envs.domain import DomainRegistry
 from sched_fixtures import TaskWatcher, publish_scored, scored_group
+from trio.testing import MockClock
 
 pytestmark = [pytest.mark.nats]
 
@@ -64,6 +69,44 @@ async def wait_state(path, pred, timeout_s=15.0):
             await trio.sleep(0.05)
 
 
+async def wait_until(pred, timeout_s=15.0) -> None:
+    with trio.fail_after(timeout_s):
+        while not pred():
+            await trio.sleep(0.05)
+
+
+_probe_marks = itertools.count(1)
+
+
+async def saved_after_a_planning_pass(bus, run, state_path) -> SchedulerState:
+    """The saved state once the scheduler has planned at least once after this call began,
+    and handled what the test published before it (one connection's messages keep order).
+
+    A probe (an evaluation figure of a domain nobody trains) is saved at the end of the pass
+    it arrived in, maybe after that pass planned; a second one, sent once the first is saved,
+    is saved only after the next pass planned. So a test shows that nothing more went out
+    without waiting to see nothing come."""
+    async def probe(mark: float) -> SchedulerState:
+        await bus.publish(subjects.stats(run, "evaluator"), m.EvalStats(
+            version=0, domain="probe", pass_at_1=mark, pass_at_k=mark, k=1, n_tasks=1))
+        return await wait_state(state_path, lambda s: s.eval_pass_at_1.get("probe") == mark)
+
+    await probe(float(next(_probe_marks)))
+    return await probe(float(next(_probe_marks)))
+
+
+def run_on_a_mock_clock(main):
+    """`trio.run(main, clock)` on a clock that keeps real time and that the test moves on at
+    will (`clock.jump(cfg.lease_s)`): leases and stalls run out without waiting for them.
+
+    Real time, not autojump or a stopped clock: nats-py's timers run on trio's clock too,
+    and autojump would jump whenever every task waits, on the network included, so fetch
+    timeouts and deadlines would pass while a message is on its way. Jump while no read of
+    the test is under way (its timeouts would fire); the scheduler's own reads have none."""
+    clock = MockClock(rate=1.0)
+    return trio.run(main, clock, clock=clock)
+
+
 def test_split_rollout_id_reads_task_sample_and_attempt():
     assert split_rollout_id("math-t0-abc@7:3:2") == ("math-t0-abc@7", 3, 2)
     assert split_rollout_id("HumanEval/0@1:0:1") == ("HumanEval/0@1", 0, 1)
@@ -77,9 +120,8 @@ def test_mixing_weights_are_honoured_when_tasks_are_issued(creds, run_name, tmp_
     async def main():
         async with open_bus(creds) as bus, scheduler(creds, run_name, cfg):
             tasks = await TaskWatcher(bus, run_name).until(lambda t: len(t) >= n)
-            await trio.sleep(0.5)  # nothing beyond the budget follows
-            more = await TaskWatcher(bus, run_name, "second").until(lambda t: len(t) >= n)
-            assert len(more) == n
+            st = await saved_after_a_planning_pass(bus, run_name, tmp_path / "state.json")
+            assert st.issued == n  # nothing beyond the budget follows
         counts = Counter(t.domain for t in tasks)
         sd = math.sqrt(n * 0.75 * 0.25)
         assert abs(counts["math"] - 0.75 * n) < 4 * sd, counts
@@ -114,13 +156,13 @@ def test_the_curriculum_moves_up_on_all_pass_groups_and_down_on_all_fail_ones(
                     watcher.until, lambda ts: False, timeout_s=60, on_task=answer))
                 st = await wait_state(state_path, lambda s: s.curricula["math"].level >= 1)
                 assert st.curricula["math"].windows[0] == [1.0, 1.0]
-                await trio.sleep(0.5)
-                assert any(t.tier >= 1 for t in watcher.tasks)
+                await wait_until(lambda: any(t.tier >= 1 for t in watcher.tasks))
                 reward[0] = 0.0
                 st = await wait_state(state_path, lambda s: s.curricula["math"].moves >= 2
                                       and s.curricula["math"].level == 0)
                 pipeline.cancel_scope.cancel()
-            await trio.sleep(0.5)  # answers in transit land
+            await saved_after_a_planning_pass(bus, run_name, state_path)  # answers have landed
+
             def untouched(s):  # leases no sample has come back for
                 return [x.task for x in s.leases.values()
                         if group_key(x.task.task_id, x.task.attempt) not in s.tallies]
@@ -142,11 +184,10 @@ def test_the_curriculum_moves_up_on_all_pass_groups_and_down_on_all_fail_ones(
 def test_a_lease_is_reissued_after_its_sampler_was_killed_and_completes_once(
     creds, creds_file, run_name, tmp_path, spawn
 ):
-    cfg = config(tmp_path, domains={"math": 1.0}, group_size=2, max_in_flight=1,
-                 lease_s=2.0, max_attempts=3)
+    cfg = config(tmp_path, domains={"math": 1.0}, group_size=2, max_in_flight=1, max_attempts=3)
     state_path = tmp_path / "state.json"
 
-    async def main():
+    async def main(clock):
         async with open_bus(creds) as bus:
             async with bus.subscribe(subjects.heartbeat(run_name)) as beats:
                 sampler = spawn("actor", "run", f"{SAMPLER}:HangingSampler", "--run", run_name,
@@ -159,6 +200,7 @@ def test_a_lease_is_reissued_after_its_sampler_was_killed_and_completes_once(
                                 break
                     sampler.send_signal(signal.SIGKILL)
                     sampler.wait()
+                    clock.jump(cfg.lease_s)
                     watcher = TaskWatcher(bus, run_name)
                     tasks = await watcher.until(lambda ts: any(t.attempt == 2 for t in ts))
                     first = tasks[0]
@@ -170,27 +212,43 @@ def test_a_lease_is_reissued_after_its_sampler_was_killed_and_completes_once(
                     st = await wait_state(state_path, lambda s: s.counters["math"].groups == 1)
                     assert first.task_id not in st.leases
                     assert st.counters["math"].reissued == 1
-                    await trio.sleep(4.5)  # two more lease periods: no third attempt
-                    await watcher.until(lambda ts: len(ts) >= 3)
+                    # Two more lease periods: the next task is reissued, and a third attempt
+                    # of the first (its lease older) would have gone out before that.
+                    following = (await watcher.until(lambda ts: len(ts) >= 3))[2]
+                    clock.jump(2 * cfg.lease_s)
+                    await watcher.until(lambda ts: (following.task_id, 2) in
+                                        [(t.task_id, t.attempt) for t in ts])
                     attempts = [t.attempt for t in watcher.tasks if t.task_id == first.task_id]
                     assert attempts == [1, 2]
 
-    trio.run(main)
+    run_on_a_mock_clock(main)
 
 
-def test_a_task_is_abandoned_after_max_attempts(creds, run_name, tmp_path):
-    cfg = config(tmp_path, domains={"math": 1.0}, max_in_flight=1, lease_s=0.3, max_attempts=2)
+def test_a_lease_runs_out_at_its_deadline_and_the_task_is_abandoned_after_max_attempts(
+    creds, run_name, tmp_path
+):
+    cfg = config(tmp_path, domains={"math": 1.0}, max_in_flight=1, max_attempts=2)
+    state_path = tmp_path / "state.json"
 
-    async def main():
+    async def main(clock):
         async with open_bus(creds) as bus, scheduler(creds, run_name, cfg):
-            st = await wait_state(tmp_path / "state.json",
-                                  lambda s: s.counters["math"].abandoned >= 1)
-            assert st.counters["math"].reissued >= 1
-            tasks = await TaskWatcher(bus, run_name).until(lambda ts: len(ts) >= 3)
-            first = tasks[0].task_id
-            assert [t.attempt for t in tasks if t.task_id == first] == [1, 2]
+            watcher = TaskWatcher(bus, run_name)
+            first = (await watcher.until(lambda ts: len(ts) >= 1))[0]
+            clock.jump(cfg.lease_s - 10)  # short of the deadline: nothing happens
+            st = await saved_after_a_planning_pass(bus, run_name, state_path)
+            assert st.counters["math"].reissued == 0 and list(st.leases) == [first.task_id]
+            clock.jump(10)
+            await watcher.until(lambda ts: len(ts) >= 2)
+            # the second attempt's lease runs out: no third, the next task goes out instead
+            clock.jump(cfg.lease_s)
+            tasks = await watcher.until(lambda ts: len(ts) >= 3)
+            st = await wait_state(state_path, lambda s: s.counters["math"].abandoned == 1)
+        assert [(t.task_id, t.attempt) for t in tasks[:2]] == [(first.task_id, 1),
+                                                               (first.task_id, 2)]
+        assert tasks[2].task_id != first.task_id and tasks[2].attempt == 1
+        assert st.counters["math"].reissued == 1 and st.abandoned == [first.task_id]
 
-    trio.run(main)
+    run_on_a_mock_clock(main)
 
 
 def test_tiers_rates_and_leases_survive_a_killed_scheduler(creds, run_name, tmp_path):
@@ -217,6 +275,62 @@ def test_tiers_rates_and_leases_survive_a_killed_scheduler(creds, run_name, tmp_
         assert sum(1 for t in more if t.task_id not in {x.task_id for x in tasks}) >= 1
 
     trio.run(main)
+
+
+def test_a_loaded_state_keeps_its_wall_clock_times_on_the_new_clock():
+    task = m.Task(task_id="t@0", domain="math", tier=0, prompt="?", spec={}, group_size=2,
+                  attempt=1, min_version=0, purpose="train")
+    # saved by a process whose clock read 1000 at wall-clock time 1_700_000_000 ...
+    state = SchedulerState(
+        clock_offset_s=1_700_000_000 - 1000,
+        leases={"t@0": Lease(task=task, base_id="t", issued_at=1000.0, deadline=1300.0)},
+        tallies={"u@1#1": GroupTally(domain="math", tier=0, group_size=2, first_seen=900.0)})
+    # ... loaded 100 s later by one whose clock reads 50: 200 s of the lease are left
+    move_onto_clock(state, 1_700_000_100 - 50)
+    lease = state.leases["t@0"]
+    assert (lease.issued_at, lease.deadline) == (-50.0, 250.0)
+    assert state.tallies["u@1#1"].first_seen == -150.0
+    assert state.clock_offset_s == 1_700_000_050
+    # a state saved before there was an offset holds wall-clock times
+    old = SchedulerState(leases={"t@0": Lease(task=task, base_id="t", issued_at=1_699_999_900,
+                                               deadline=1_700_000_200)})
+    move_onto_clock(old, 1_700_000_100 - 50)
+    assert old.leases["t@0"].deadline == 150.0  # 100 s left at wall-clock 1_700_000_100
+
+
+def test_a_restarted_scheduler_moves_the_leases_onto_its_clock_and_counts_the_downtime(
+    creds, run_name, tmp_path
+):
+    cfg = config(tmp_path, domains={"math": 1.0}, group_size=2, max_in_flight=2)
+    state_path = tmp_path / "state.json"
+    downtime_s = 200.0
+
+    async def until_killed(clock):
+        clock.jump(1e6)  # this process's clock: nowhere near the next one's
+        async with open_bus(creds) as bus, scheduler(creds, run_name, cfg, graceful=False):
+            return await TaskWatcher(bus, run_name).until(lambda ts: len(ts) >= 2)
+
+    async def after_the_restart(clock):
+        async with open_bus(creds) as bus, scheduler(creds, run_name, cfg):
+            clock.jump(cfg.lease_s - downtime_s - 10)  # short of the deadlines: nothing
+            st = await saved_after_a_planning_pass(bus, run_name, state_path)
+            assert st.counters["math"].reissued == 0 and len(st.leases) == 2
+            clock.jump(10)
+            return await TaskWatcher(bus, run_name).until(lambda ts: len(ts) >= 2)
+
+    issued = run_on_a_mock_clock(until_killed)
+    pretend_saved_earlier(state_path, downtime_s)
+    reissued = run_on_a_mock_clock(after_the_restart)
+    assert sorted((t.task_id, t.attempt) for t in reissued) == sorted(
+        (t.task_id, 2) for t in issued)
+
+
+def pretend_saved_earlier(path: Path, by_s: float) -> None:
+    """Rewrite the state at `path` as if saved `by_s` seconds of wall-clock time earlier: a
+    scheduler down for that long, without waiting for it."""
+    st = load_state(path)
+    st.clock_offset_s -= by_s
+    save_state(path, st)
 
 
 def test_an_announced_domain_is_only_available_until_the_mix_file_gives_it_a_weight(
@@ -369,10 +483,10 @@ def test_a_stale_group_is_not_progress_and_a_stall_releases_budget_loudly(
 ):
     # One group per version, none ahead: after one useful group the scheduler waits for v6.
     cfg = config(tmp_path, domains={"math": 1.0}, group_size=2, max_in_flight=1,
-                 groups_per_version=1, max_staleness=0, stall_release_s=1.0)
+                 groups_per_version=1, max_staleness=0)
     state_path = tmp_path / "state.json"
 
-    async def main():
+    async def main(clock):
         async with open_bus(creds) as bus, scheduler(creds, run_name, cfg):
             await bus.ensure_run_stream(run_name)
             await bus.publish_durable(subjects.weights(run_name),
@@ -388,14 +502,19 @@ def test_a_stale_group_is_not_progress_and_a_stall_releases_budget_loudly(
             tasks = await watcher.until(lambda ts: len(ts) >= 2)  # issued at once, no stall
             await publish_scored(bus, run_name, scored_group(tasks[1], [1.0, 0.0],
                                                              policy_version=5))
-            st = await wait_state(state_path, lambda s: s.done_since_version == 1)
-            assert st.stall_releases == 0
-            # no v6 comes: after stall_release_s the budget is released and a task issued
-            tasks = await watcher.until(lambda ts: len(ts) >= 3, timeout_s=20)
+            await wait_state(state_path, lambda s: s.done_since_version == 1)
+            # no v6 comes: short of stall_release_s nothing happens ...
+            clock.jump(cfg.stall_release_s - 10)
+            st = await saved_after_a_planning_pass(bus, run_name, state_path)
+            assert st.stall_releases == 0 and st.issued == 2
+            # ... then the budget is released and a task issued
+            clock.jump(10)
+            tasks = await watcher.until(lambda ts: len(ts) >= 3)
             st = await wait_state(state_path, lambda s: s.stall_releases >= 1)
-            assert st.version == 5 and tasks[2].task_id not in {t.task_id for t in tasks[:2]}
+            assert st.version == 5 and st.stall_releases == 1
+            assert tasks[2].task_id not in {t.task_id for t in tasks[:2]}
 
-    trio.run(main)
+    run_on_a_mock_clock(main)
 
 
 def test_a_scheduler_killed_right_after_issuing_never_reuses_a_task_id(creds, run_name, tmp_path):
@@ -437,8 +556,8 @@ def test_groups_without_signal_widen_the_pipeline_and_one_with_signal_closes_it(
             await bus.ensure_run_stream(run_name)
             st = await wait_state(state_path, lambda s: len(s.leases) == 2)
             assert st.counters["math"].signal_rate == 0.5  # the prior: 2 tasks, 1 expected
-            await trio.sleep(0.5)  # five ticks: nothing more goes out
-            assert len(load_state(state_path).leases) == 2
+            st = await saved_after_a_planning_pass(bus, run_name, state_path)
+            assert st.issued == 2  # nothing more goes out
 
             async def no_signal(task):
                 await publish_scored(bus, run_name, scored_group(task, [0.0, 0.0]))
@@ -452,17 +571,16 @@ def test_groups_without_signal_widen_the_pipeline_and_one_with_signal_closes_it(
             # unanswered now: the scheduler fills up to ceil(1 / rate) tasks in flight
             wide = math.ceil(1 / rate - 1e-9)
             assert wide > 4
-            st = await wait_state(state_path, lambda s: len(s.leases) >= wide)
-            await trio.sleep(0.5)
-            st = load_state(state_path)
+            await wait_state(state_path, lambda s: len(s.leases) >= wide)
+            st = await saved_after_a_planning_pass(bus, run_name, state_path)
             assert len(st.leases) == wide
             # one group with signal: the version's demand is met, nothing more goes out ...
             open_tasks = [lease.task for lease in st.leases.values()]
             await publish_scored(bus, run_name, scored_group(open_tasks[0], [1.0, 0.0]))
             st = await wait_state(state_path, lambda s: s.done_since_version == 1)
             issued = st.issued
-            await trio.sleep(0.5)
-            assert load_state(state_path).issued == issued
+            st = await saved_after_a_planning_pass(bus, run_name, state_path)
+            assert st.issued == issued
             # ... until the learner's next version, once the tasks in flight (which the group
             # with signal made look richer) come back without signal
             await bus.publish_durable(subjects.weights(run_name),
