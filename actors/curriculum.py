@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import msgspec
 
@@ -31,8 +31,12 @@ def informative_probability(p: float, group_size: int) -> float:
     return 1.0 - p**group_size - (1.0 - p) ** group_size
 
 
-def group_is_informative(rewards: list[float]) -> bool:
-    """A group carries learning signal when at least two rewards differ (GRPO advantage != 0)."""
+def group_has_signal(rewards: Sequence[float], valid: Sequence[bool] | None = None) -> bool:
+    """A group carries learning signal when at least two of its valid samples' rewards differ
+    (else every GRPO advantage is zero). `valid` (default: all) leaves out samples that
+    cannot be trained on: a learner skips a group without signal and counts it."""
+    if valid is not None:
+        rewards = [r for r, ok in zip(rewards, valid, strict=True) if ok]
     return len(rewards) >= 2 and max(rewards) != min(rewards)
 
 

@@ -56,16 +56,6 @@ class AdvantageNorm(str, enum.Enum):
     NONE = "none"
 
 
-def group_has_signal(rewards: Sequence[float], valid: Sequence[bool]) -> bool:
-    """True when at least two valid samples exist and their rewards are not all equal.
-
-    A group without signal gets zero advantage for every sample, so it would only add
-    tokens to the denominator; the learner skips it and counts it.
-    """
-    vals = [r for r, ok in zip(rewards, valid, strict=True) if ok]
-    return len(vals) >= 2 and max(vals) != min(vals)
-
-
 def centred_rewards(rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """r_i - mean(r_j over the valid j of the group); 0 for invalid samples.
 

@@ -42,11 +42,11 @@ from typing import Any
 import msgspec
 import trio
 from reinforge.actors import checkpoint as ckpt
+from reinforge.actors.curriculum import group_has_signal
 from reinforge.actors.grpo import (
     AdvantageNorm,
     domain_reward_scales,
     group_advantages,
-    group_has_signal,
     is_too_stale,
     staleness,
 )

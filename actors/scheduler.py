@@ -41,7 +41,6 @@ verifier announces every registered domain, and a math-only run must stay math-o
 from __future__ import annotations
 
 import math
-import os
 import random
 import re
 import sys
@@ -60,7 +59,7 @@ from reinforge.actors.curriculum import (
     TaskRecord,
     draw_domain,
     floored_signal_rate,
-    group_is_informative,
+    group_has_signal,
     issue_budget,
     mix_probabilities,
     new_task_signal_rate,
@@ -69,6 +68,7 @@ from reinforge.actors.curriculum import (
 )
 from reinforge.actors.evalsets import HeldOutConfig, build_heldout, fingerprint
 from reinforge.core import paths, subjects
+from reinforge.core.atomic import write_json_atomic
 from reinforge.core.actor import Actor, Input
 from reinforge.core.messages import (
     Announce,
@@ -261,19 +261,7 @@ def move_onto_clock(state: SchedulerState, offset: float) -> None:
 
 
 def save_state(path: Path, state: SchedulerState) -> None:
-    """Write atomically: temp file, fsync, rename, fsync of the directory."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(msgspec.json.encode(state))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    write_json_atomic(path, state)
 
 
 def load_state(path: Path) -> SchedulerState | None:
@@ -435,7 +423,7 @@ class Scheduler(Actor):
         c.groups += 1
         c.tokens += tally.tokens
         c.infra_samples += len(tally.infra)
-        informative = group_is_informative(rewards)
+        informative = group_has_signal(rewards)
         c.signal_rate = updated_signal_rate(c.signal_rate, informative)
         if informative:
             c.informative_groups += 1

@@ -34,13 +34,12 @@ from reinforge.actors.curriculum import (
     CurriculumConfig,
     DomainCurriculum,
     draw_domain,
-    group_is_informative,
+    group_has_signal,
     issue_budget,
     mix_probabilities,
     new_task_signal_rate,
     updated_signal_rate,
 )
-from reinforge.actors.grpo import group_has_signal
 from reinforge.actors.learner import LearnerConfig, prepare_samples, sample_is_valid
 from reinforge.actors.rollout_client import RolloutClient, parse_weight_version
 from reinforge.actors.rollout_server import SamplerConfig, ServerProcess
@@ -102,7 +101,7 @@ def signal_shares(groups: list[tuple[str, list[float]]]) -> dict[str, float]:
     for name in sorted({"", *(d for d, _ in groups)}):
         mine = [rewards for d, rewards in groups if name in ("", d)]
         key = f"signal_share/{name}" if name else "signal_share"
-        out[key] = sum(group_is_informative(r) for r in mine) / max(1, len(mine))
+        out[key] = sum(group_has_signal(r) for r in mine) / max(1, len(mine))
     return out
 
 
@@ -264,7 +263,7 @@ class SyncLoop:
                 groups = await self.verify(generation, tasks, limits)
             for g in groups:
                 rewards = [s.reward for s in g]
-                informative = group_is_informative(rewards)
+                informative = group_has_signal(rewards)
                 name, tier = g[0].rollout.domain, g[0].rollout.tier
                 self.signal[name] = updated_signal_rate(self.signal[name], informative)
                 self.curricula[name].record(tier, sum(rewards) / max(1, len(rewards)))

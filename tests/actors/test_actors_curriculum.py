@@ -14,7 +14,7 @@ from reinforge.actors.curriculum import (
     RunningStats,
     TaskRecord,
     draw_domain,
-    group_is_informative,
+    group_has_signal,
     informative_probability,
     issue_budget,
     mix_probabilities,
@@ -35,12 +35,15 @@ def test_informative_probability_matches_the_binomial_by_hand():
     assert informative_probability(0.5, 1) == 0.0
 
 
-def test_a_group_is_informative_only_when_its_rewards_differ():
-    assert not group_is_informative([1.0, 1.0, 1.0])
-    assert not group_is_informative([0.0, 0.0])
-    assert not group_is_informative([1.0])
-    assert group_is_informative([0.0, 1.0, 1.0])
-    assert group_is_informative([0.5, 0.25])
+def test_a_group_has_signal_only_when_its_valid_rewards_differ():
+    assert not group_has_signal([1.0, 1.0, 1.0])
+    assert not group_has_signal([0.0, 0.0])
+    assert not group_has_signal([1.0])
+    assert group_has_signal([0.0, 1.0, 1.0])
+    assert group_has_signal([0.5, 0.25])
+    assert not group_has_signal([1, 0], [True, False])  # one valid sample only
+    assert group_has_signal([1, 0, 0, 0], [True] * 4)
+    assert not group_has_signal([1, 0, 0], [False, True, True])
 
 
 def test_pass_at_k_equals_the_combinatorial_formula():
@@ -249,7 +252,7 @@ def simulate_wasted_fraction(choose, true_rates, *, groups=2000, group_size=8, s
     for _ in range(groups):
         tier = choose(rng)
         rewards = [1.0 if rng.random() < true_rates[tier] else 0.0 for _ in range(group_size)]
-        wasted += not group_is_informative(rewards)
+        wasted += not group_has_signal(rewards)
         record = getattr(choose, "record", None)
         if record is not None:  # a curriculum learns from what it chose
             record(tier, sum(rewards) / group_size)

@@ -46,14 +46,6 @@ def test_infra_error_samples_are_masked_out_of_mean_std_and_advantage():
     assert adv.tolist() == [1.0, 0.0, -1.0]
 
 
-def test_groups_without_signal_are_recognised():
-    assert not grpo.group_has_signal([1, 1, 1, 1], [True] * 4)
-    assert not grpo.group_has_signal([0, 0, 0, 0], [True] * 4)
-    assert not grpo.group_has_signal([1, 0], [True, False])  # one valid sample only
-    assert grpo.group_has_signal([1, 0, 0, 0], [True] * 4)
-    assert not grpo.group_has_signal([1, 0, 0], [False, True, True])
-
-
 def test_clipped_objective_and_gradient_match_a_hand_computation():
     # one sequence of three tokens, advantage +2, clip 0.2
     # token 0: ratio e^0.1 = 1.105 (inside) -> loss -2r, d/dlogp = -2r
