@@ -32,7 +32,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from reinforge.actors.sft import SFTConfig, run_sft
+    from reinforge.rl.sft import SFTConfig, run_sft
 
     from reinforge.cli import UserError
 

@@ -88,7 +88,7 @@ def policy_spec(policy: str) -> Any:
 
 def ensure_models(home: Path, domains: list[str], sft_steps: int,
                   policy: str = "tiny") -> tuple[Path, Path]:
-    from reinforge.actors.sft import SFTConfig, run_sft
+    from reinforge.rl.sft import SFTConfig, run_sft
     from reinforge.engine.tiny import init_tiny_model
 
     spec = policy_spec(policy)
@@ -168,7 +168,7 @@ config = {{ snapshot_interval_s = 1.0, port = 0 }}
 
 
 def latest_checkpoint(run_dir: Path) -> tuple[Path | None, int]:
-    from reinforge.actors.checkpoint import latest_checkpoint as find_latest
+    from reinforge.rl.checkpoint import latest_checkpoint as find_latest
 
     found = find_latest(run_dir / "checkpoints")
     if not found:
@@ -246,7 +246,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     say(f"evaluating the final checkpoint (version {version}) on the held-out sets")
     after = evaluate(after_model, domains, args.eval_k, args.eval_tasks_per_tier)
 
-    from reinforge.actors.evaluator import mean_change, paired_change
+    from reinforge.rl.scoring import mean_change, paired_change
     from reinforge.actors.report import build_report
 
     report_dir = run_dir / "report"
@@ -362,7 +362,7 @@ def change_json(change: Any) -> dict[str, Any]:
 
 def heldout_tiers(domains: list[str], tasks_per_tier: int) -> dict[str, dict[str, int]]:
     """The tier of each held-out task `reinforge eval --tasks-per-tier N` scores, by id."""
-    from reinforge.actors.evalsets import HeldOutConfig, build_heldout
+    from reinforge.rl.evalsets import HeldOutConfig, build_heldout
     from reinforge.envs.domain import DomainRegistry
 
     sets = build_heldout(DomainRegistry.default(), domains,

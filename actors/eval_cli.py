@@ -70,7 +70,7 @@ def _pairs(items: list[str], flag: str) -> dict[str, str]:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     import trio
-    from reinforge.actors.evalsets import HeldOutConfig
+    from reinforge.rl.evalsets import HeldOutConfig
 
     from reinforge.cli import UserError
 
@@ -98,7 +98,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 async def _eval(args: argparse.Namespace, domains: list[str], samples: int, heldout: Any) -> int:
     import trio
-    from reinforge.actors.evalsets import build_heldout, check_contamination
+    from reinforge.rl.evalsets import build_heldout, check_contamination
     from reinforge.actors.evaluator import ServerSource, evaluate_sets
     from reinforge.engine.tokenizer import load_tokenizer
     from reinforge.actors.rollout_client import RolloutClient, RolloutServerUnavailable

@@ -41,9 +41,9 @@ from typing import Any
 
 import msgspec
 import trio
-from reinforge.actors import checkpoint as ckpt
-from reinforge.actors.curriculum import group_has_signal
-from reinforge.actors.grpo import (
+from reinforge.rl import checkpoint as ckpt
+from reinforge.rl.curriculum import group_has_signal
+from reinforge.rl.grpo import (
     AdvantageNorm,
     domain_reward_scales,
     group_advantages,
@@ -430,7 +430,7 @@ class Learner(Actor):
         return [f"learner for domains {self.config.domains}"]
 
     async def setup(self) -> None:
-        from reinforge.actors.trainer import Trainer
+        from reinforge.rl.trainer import Trainer
 
         cfg: LearnerConfig = self.config
         await trio.to_thread.run_sync(ckpt.remove_temp_dirs, self.root)

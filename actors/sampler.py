@@ -46,7 +46,7 @@ from reinforge.actors.rollout_client import (
     Sample,
     parse_weight_version,
 )
-from reinforge.actors.prompts import task_prompt_ids
+from reinforge.rl.prompts import task_prompt_ids
 from reinforge.actors.sandboxing import hold_sandbox_runner, sandbox_labels
 from reinforge.core import subjects
 from reinforge.engine.tokenizer import load_tokenizer

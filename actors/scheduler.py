@@ -7,7 +7,7 @@ Dataflow:
         ^-- TrainStats / EvalStats (rl.<run>.stats.*): learner demand, eval thresholds
         ^-- Announce (ctl.<run>.announce): the domains verifiers serve (available, not scheduled)
 
-Decisions (pure, in `curriculum.py`): the domain by mixing weights x regression boosts with
+Decisions (pure, in `reinforge.rl.curriculum`): the domain by mixing weights x regression boosts with
 replay floors for critical domains; the tier where the predicted group pass rate gives the
 most learning signal; for recurring (file) tasks, the task itself. Flow control: in-flight
 tasks stay within `issue_budget` (learner demand x max staleness, each task counted by its
@@ -51,7 +51,7 @@ from typing import Any
 
 import msgspec
 import trio
-from reinforge.actors.curriculum import (
+from reinforge.rl.curriculum import (
     CurriculumConfig,
     DomainCurriculum,
     DomainCurriculumState,
@@ -66,7 +66,7 @@ from reinforge.actors.curriculum import (
     pick_recurring_task,
     updated_signal_rate,
 )
-from reinforge.actors.evalsets import HeldOutConfig, build_heldout, fingerprint
+from reinforge.rl.evalsets import HeldOutConfig, build_heldout, fingerprint
 from reinforge.core import paths, subjects
 from reinforge.core.atomic import write_json_atomic
 from reinforge.core.actor import Actor, Input

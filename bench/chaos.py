@@ -43,7 +43,7 @@ from typing import Any
 import psutil
 import trio
 
-from reinforge.actors import checkpoint as ckpt
+from reinforge.rl import checkpoint as ckpt
 from reinforge.actors import demo
 from reinforge.actors.learner import DecisionJournal
 from reinforge.core import messages as m

@@ -29,8 +29,8 @@ from typing import Any
 import msgspec
 import psutil
 import trio
-from reinforge.actors import checkpoint as ckpt
-from reinforge.actors.curriculum import (
+from reinforge.rl import checkpoint as ckpt
+from reinforge.rl.curriculum import (
     CurriculumConfig,
     DomainCurriculum,
     draw_domain,
@@ -43,9 +43,9 @@ from reinforge.actors.curriculum import (
 from reinforge.actors.learner import LearnerConfig, prepare_samples, sample_is_valid
 from reinforge.actors.rollout_client import RolloutClient, parse_weight_version
 from reinforge.actors.rollout_server import SamplerConfig, ServerProcess
-from reinforge.actors.prompts import task_prompt_ids
+from reinforge.rl.prompts import task_prompt_ids
 from reinforge.actors.scheduler import SchedulerConfig
-from reinforge.actors.trainer import Trainer
+from reinforge.rl.trainer import Trainer
 from reinforge.actors.verifier import VerifierConfig, resource_limits, scored_from_verdict
 from reinforge.core.messages import Rollout, ScoredRollout, rollout_id
 

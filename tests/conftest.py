@@ -134,3 +134,13 @@ def spawn(tmp_path: Path):
         if proc.poll() is None:
             proc.kill()
         proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny policy written by `reinforge model init`'s code (smallest useful shape)."""
+    from reinforge.engine.tiny import TinyModelSpec, init_tiny_model
+
+    spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
+                         num_kv_heads=1, vocab_size=1024)
+    return init_tiny_model(tmp_path_factory.mktemp("tiny") / "model", spec)

@@ -1,20 +1,11 @@
-"""Fixtures of the actor tests: a tiny policy, its rollout server, a run's sandboxes."""
+"""Fixtures of the actor tests: a rollout server, a run's sandboxes (the tiny policy,
+`tiny_model_dir`, is in tests/conftest.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny policy written by `reinforge model init`'s code (smallest useful shape)."""
-    from reinforge.engine.tiny import TinyModelSpec, init_tiny_model
-
-    spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
-                         num_kv_heads=1, vocab_size=1024)
-    return init_tiny_model(tmp_path_factory.mktemp("tiny") / "model", spec)
 
 
 def run_sandboxes(run: str) -> list:

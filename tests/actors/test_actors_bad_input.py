@@ -14,7 +14,7 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reinforge.actors.evalsets import HeldOutConfig
+from reinforge.rl.evalsets import HeldOutConfig
 from reinforge.actors.evaluator import Evaluator, EvaluatorConfig
 from reinforge.actors.learner import Learner, LearnerConfig
 from reinforge.actors.monitor import Monitor, MonitorConfig

@@ -7,13 +7,12 @@ import argparse
 import functools
 import json
 import random
-from math import comb
 
 import msgspec
 import pytest
 import trio
 from reinforge.actors.eval_cli import register
-from reinforge.actors.evalsets import (
+from reinforge.rl.evalsets import (
     ContaminationError,
     HeldOutConfig,
     build_heldout,
@@ -45,23 +44,6 @@ def _leaves(exc: BaseException) -> list[BaseException]:
 
 
 # ----------------------------------------------------------------------------- scoring
-
-
-def test_scores_are_pass_at_1_means_and_unbiased_pass_at_k_by_hand():
-    T, F = True, False
-    s = score_domain("math", [[T, F, T, F], [F, F, F, F], [T, T, T, T]], k=2)
-    assert s.n_tasks == 3 and s.samples == 4
-    assert s.pass_at_1 == pytest.approx((0.5 + 0.0 + 1.0) / 3)
-    assert s.pass_at_k == pytest.approx(((1 - comb(2, 2) / comb(4, 2)) + 0.0 + 1.0) / 3)
-    assert s.run_pass_rates == pytest.approx([2 / 3, 1 / 3, 2 / 3, 1 / 3])
-    assert s.run_std == pytest.approx(1 / 6)
-
-
-def test_infrastructure_faults_are_masked_not_counted_as_failures():
-    s = score_domain("code", [[None, True], [None, None]], k=2)
-    assert s.infra_errors == 3
-    assert s.n_tasks == 1  # a task with no verified sample is not scored
-    assert s.pass_at_1 == 1.0 and s.pass_at_k == 1.0  # k falls to the one verified sample
 
 
 class Scripted:
@@ -322,38 +304,6 @@ def test_reinforge_eval_scores_a_hugging_face_checkpoint_offline(tiny_model_dir,
         assert s["infra_errors"] == 0
     assert "pass@2" in out.err  # the table went to stderr
     msgspec.json.decode(out.out.strip().splitlines()[-1])  # stdout is exactly the JSON
-
-
-def test_scores_keep_each_tasks_pass_at_1_by_id_when_given_ids():
-    T, F = True, False
-    s = score_domain("math", [[T, F, T, F], [None, None], [T, T, T, T]], k=2,
-                     task_ids=["a", "b", "c"])
-    assert s.task_pass_at_1 == {"a": 0.5, "c": 1.0}  # b has no verified sample
-    with pytest.raises(ValueError, match="2 task ids for 3 tasks"):
-        score_domain("math", [[T], [F], [T]], k=1, task_ids=["a", "b"])
-
-
-def test_a_paired_change_of_pass_at_1_has_its_interval_computed_by_hand():
-    from reinforge.actors.evaluator import paired_change
-
-    c = paired_change({"a": 0.0, "b": 0.5, "c": 1.0, "gone": 1.0},
-                      {"a": 0.5, "b": 0.5, "c": 1.0, "new": 0.0})
-    # differences (.5, 0, 0): mean 1/6, sample std sqrt(1/12) = .2887, se .2887/sqrt(3)
-    half = 1.96 * (1 / 12) ** 0.5 / 3 ** 0.5
-    assert c.n_tasks == 3 and c.delta == pytest.approx(1 / 6)
-    assert c.ci95 == pytest.approx((1 / 6 - half, 1 / 6 + half))
-    assert paired_change({"a": 0.0}, {"b": 1.0}).n_tasks == 0
-
-
-def test_the_mean_of_per_domain_changes_adds_their_variances():
-    from reinforge.actors.evaluator import Change, mean_change
-
-    # se 0.1 and 0.2 (half-widths 0.196, 0.392): mean se = sqrt(.01 + .04) / 2
-    m = mean_change([Change(delta=0.2, ci95=(0.2 - 0.196, 0.2 + 0.196), n_tasks=10),
-                     Change(delta=0.0, ci95=(-0.392, 0.392), n_tasks=20)])
-    half = 1.96 * 0.05 ** 0.5 / 2
-    assert m.delta == pytest.approx(0.1) and m.n_tasks == 30
-    assert m.ci95 == pytest.approx((0.1 - half, 0.1 + half))
 
 
 def test_a_tier_drawn_from_a_small_bank_holds_out_only_its_cap_so_training_keeps_the_rest():

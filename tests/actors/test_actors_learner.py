@@ -10,8 +10,8 @@ import pytest
 import torch
 import trio
 from learner_fixtures import GradientRecorder, generate_group, synthetic_group, with_tokens
-from reinforge.actors import checkpoint as ckpt
-from reinforge.actors.grpo import AdvantageNorm
+from reinforge.rl import checkpoint as ckpt
+from reinforge.rl.grpo import AdvantageNorm
 from reinforge.actors.learner import (
     DecisionJournal,
     GroupBuffer,
@@ -20,7 +20,7 @@ from reinforge.actors.learner import (
     prepare_samples,
     train_stats,
 )
-from reinforge.actors.trainer import Trainer, sequence_logprobs
+from reinforge.rl.trainer import Trainer, sequence_logprobs
 from reinforge.core import messages as m
 from reinforge.core import subjects
 from reinforge.core.actor import run_actor

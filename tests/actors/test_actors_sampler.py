@@ -19,9 +19,9 @@ from reinforge.actors.rollout_client import (
     parse_sample,
     parse_weight_version,
 )
-from reinforge.actors.prompts import task_prompt_ids
+from reinforge.rl.prompts import task_prompt_ids
 from reinforge.actors.sampler import GenerationGate, SamplerActor, SamplerConfig, server_command
-from reinforge.actors.sft import Demo, encode_demo
+from reinforge.rl.sft import Demo, encode_demo
 from reinforge.core import messages as m
 from reinforge.core import subjects
 from reinforge.core.actor import RuntimeConfig, run_actor

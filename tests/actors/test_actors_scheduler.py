@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import trio
-from reinforge.actors.curriculum import CurriculumConfig
-from reinforge.actors.evalsets import HeldOutConfig, build_heldout, fingerprint
+from reinforge.rl.curriculum import CurriculumConfig
+from reinforge.rl.evalsets import HeldOutConfig, build_heldout, fingerprint
 from reinforge.actors.scheduler import (
     GroupTally,
     Lease,

@@ -49,3 +49,16 @@ def test_no_actor_module_imports_another_actor_module_only_messages_and_subjects
             if mod.startswith("reinforge.actors.") and parts[2] in actor_modules - {path.stem}:
                 offenders.append(f"actors/{path.name} imports {mod}")
     assert offenders == []
+
+
+def test_the_rl_algorithm_imports_no_messaging_and_no_actor():
+    """reinforge.rl is the algorithm on plain data: no trio, no NATS, no actor, no bus."""
+    forbidden = ("trio", "nats", "trio_asyncio", "reinforge.actors", "reinforge.core.bus",
+                 "reinforge.core.actor")
+    offenders = []
+    for path in sorted((ROOT / "reinforge" / "rl").glob("*.py")):
+        for mod in imported_modules(path):
+            if any(mod == f or mod.startswith(f + ".") for f in forbidden):
+                offenders.append(f"rl/{path.name} imports {mod}")
+    assert sorted(p.stem for p in (ROOT / "reinforge" / "rl").glob("*.py")) != []
+    assert offenders == []

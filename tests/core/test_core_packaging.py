@@ -19,8 +19,9 @@ def test_a_built_wheel_installs_every_layer_under_one_package(tmp_path):
     subprocess.run([*pip, "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
                    check=True, capture_output=True, timeout=300)
     code = (
-        "import reinforge.core.actor, reinforge.actors.learner, reinforge.envs.domain, "
-        "reinforge.engine.server, reinforge.kernels.paged_kv, importlib.resources as r\n"
+        "import reinforge.core.actor, reinforge.actors.learner, reinforge.rl.grpo, "
+        "reinforge.envs.domain, reinforge.engine.server, reinforge.kernels.paged_kv, "
+        "importlib.resources as r\n"
         "import reinforge.core.actor as a; print(a.__file__)\n"
         "print(r.files('reinforge.envs').joinpath('code_harness.py').is_file())\n"
     )

@@ -2,7 +2,7 @@
 
 Synchronous and free of I/O except loading the model: the learner actor runs `train_step`
 in a worker thread and owns everything about the bus and checkpoints. The maths come from
-`reinforge.actors.grpo`; this module only batches sequences and accumulates gradients.
+`reinforge.rl.grpo`; this module only batches sequences and accumulates gradients.
 Every per-token term (loss, ratio and clip figures, KL, token count) is over the policy's
 own tokens: inside the sequence and with loss mask 1 (environment text in multi-turn
 episodes has 0).
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from reinforge.actors.grpo import (
+from reinforge.rl.grpo import (
     abs_logprob_gaps,
     clipped_policy_terms,
     k3_kl,

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from reinforge.actors import checkpoint as ckpt
-from reinforge.actors.prompts import task_prompt_ids
+from reinforge.rl import checkpoint as ckpt
+from reinforge.rl.prompts import task_prompt_ids
 
 SFT_FORMAT = "reinforge-sft/2"  # 2: prompts through the chat template, as RL sees them
 

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 import torch
-from reinforge.actors import checkpoint as ckpt
-from reinforge.actors.sft import (
+from reinforge.rl import checkpoint as ckpt
+from reinforge.rl.sft import (
     Demo,
     SFTConfig,
     demos_from_domains,
@@ -94,7 +94,7 @@ def test_sft_builds_a_task_prompt_exactly_as_the_evaluator_and_the_sampler_do(ti
     from transformers import AutoTokenizer
 
     from reinforge.actors.evaluator import ServerSource
-    from reinforge.actors.prompts import task_prompt_ids
+    from reinforge.rl.prompts import task_prompt_ids
 
     tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     assert tok.chat_template  # the tiny policy has one: the formats could differ

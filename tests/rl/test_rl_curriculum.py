@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from math import comb
 
 import pytest
-from reinforge.actors.curriculum import (
+from reinforge.rl.curriculum import (
     CurriculumConfig,
     DomainCurriculum,
     RunningStats,
@@ -19,7 +18,6 @@ from reinforge.actors.curriculum import (
     issue_budget,
     mix_probabilities,
     new_task_signal_rate,
-    pass_at_k,
     pick_recurring_task,
     updated_signal_rate,
 )
@@ -44,15 +42,6 @@ def test_a_group_has_signal_only_when_its_valid_rewards_differ():
     assert not group_has_signal([1, 0], [True, False])  # one valid sample only
     assert group_has_signal([1, 0, 0, 0], [True] * 4)
     assert not group_has_signal([1, 0, 0], [False, True, True])
-
-
-def test_pass_at_k_equals_the_combinatorial_formula():
-    for n, c, k in [(10, 3, 1), (10, 3, 5), (4, 0, 4), (4, 4, 1), (20, 7, 4), (5, 1, 5)]:
-        want = 1 - comb(n - c, k) / comb(n, k)
-        assert pass_at_k(n, c, k) == pytest.approx(want)
-    assert pass_at_k(8, 2, 1) == pytest.approx(2 / 8)  # pass@1 is the mean
-    with pytest.raises(ValueError, match="k <= n"):
-        pass_at_k(3, 1, 4)
 
 
 def test_the_curriculum_moves_a_domain_up_a_tier_when_its_tasks_are_all_solved():

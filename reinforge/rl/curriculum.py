@@ -2,7 +2,7 @@
 
 Nothing here touches the bus or the clock; the scheduler actor feeds outcomes in and asks
 what to issue next. Every rule is written in its docstring and tested on hand-made data
-(tests/actors/test_actors_curriculum.py).
+(tests/rl/test_rl_curriculum.py).
 
 The signal rule (GRPO): a group of G samples teaches only when its rewards differ. If a
 task passes with probability p, the chance that a group carries signal is
@@ -38,21 +38,6 @@ def group_has_signal(rewards: Sequence[float], valid: Sequence[bool] | None = No
     if valid is not None:
         rewards = [r for r, ok in zip(rewards, valid, strict=True) if ok]
     return len(rewards) >= 2 and max(rewards) != min(rewards)
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct (Chen et al. 2021, eq. 1):
-    1 - C(n-c, k) / C(n, k), computed as a stable product. Needs k <= n."""
-    if not 0 <= c <= n:
-        raise ValueError(f"pass_at_k: need 0 <= c <= n, got c={c}, n={n}")
-    if not 1 <= k <= n:
-        raise ValueError(f"pass_at_k: need 1 <= k <= n, got k={k}, n={n}")
-    if n - c < k:
-        return 1.0
-    prod = 1.0
-    for i in range(n - c + 1, n + 1):
-        prod *= 1.0 - k / i
-    return 1.0 - prod
 
 
 # ----------------------------------------------------------------------------- curriculum

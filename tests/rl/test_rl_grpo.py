@@ -4,8 +4,8 @@ import math
 
 import pytest
 import torch
-from reinforge.actors import grpo
-from reinforge.actors.grpo import AdvantageNorm
+from reinforge.rl import grpo
+from reinforge.rl.grpo import AdvantageNorm
 from reinforge.engine.sampling import token_logprobs
 
 

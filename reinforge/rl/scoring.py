@@ -1,0 +1,139 @@
+"""Scoring evaluations: pass@k, a domain's scores from per-sample verdicts, and how pass@1
+moved between two evaluations of the same held-out tasks (with its confidence interval).
+
+Pure functions on plain data: the evaluator actor, `reinforge eval` and the demo's
+before/after comparison all score with these.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+
+import msgspec
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al. 2021, eq. 1):
+    1 - C(n-c, k) / C(n, k), computed as a stable product. Needs k <= n."""
+    if not 0 <= c <= n:
+        raise ValueError(f"pass_at_k: need 0 <= c <= n, got c={c}, n={n}")
+    if not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: need 1 <= k <= n, got k={k}, n={n}")
+    if n - c < k:
+        return 1.0
+    prod = 1.0
+    for i in range(n - c + 1, n + 1):
+        prod *= 1.0 - k / i
+    return 1.0 - prod
+
+
+class DomainScore(msgspec.Struct, frozen=True, kw_only=True):
+    domain: str
+    n_tasks: int
+    """Tasks with at least one verified sample."""
+    samples: int
+    k: int
+    pass_at_1: float
+    pass_at_k: float
+    run_pass_rates: list[float]
+    """Pass rate of run j (the j-th sample of every task): multi-run stability."""
+    run_std: float
+    infra_errors: int
+    """Samples masked because verification failed for infrastructure reasons."""
+    rejected_tasks: int = 0
+    """Tasks the rollout server refused (e.g. prompt longer than the context): all failed."""
+    task_pass_at_1: dict[str, float] = {}
+    """Pass@1 of each task with a verified sample, by task id: what a paired comparison of
+    two checkpoints on the same held-out set needs (`paired_change`)."""
+
+    def figures(self) -> dict[str, float]:
+        return {
+            "n_samples": float(self.samples),
+            "run_std": self.run_std,
+            "run_min": min(self.run_pass_rates, default=0.0),
+            "run_max": max(self.run_pass_rates, default=0.0),
+            "infra_errors": float(self.infra_errors),
+            "rejected_tasks": float(self.rejected_tasks),
+        }
+
+
+def score_domain(
+    domain: str, correct: Sequence[Sequence[bool | None]], k: int, *, rejected_tasks: int = 0,
+    task_ids: Sequence[str] = (),
+) -> DomainScore:
+    """Scores from per-task, per-sample correctness (None = masked infrastructure fault).
+
+    Per task with n verified samples, c correct: pass@1 = c/n and pass@k = the unbiased
+    estimator with k' = min(k, n); the domain's figures are the means over tasks. With
+    `task_ids` (one per row), each task's pass@1 is kept too.
+    """
+    if task_ids and len(task_ids) != len(correct):
+        raise ValueError(f"{len(task_ids)} task ids for {len(correct)} tasks")
+    p1, pk, infra = [], [], 0
+    per_task: dict[str, float] = {}
+    samples = max((len(row) for row in correct), default=0)
+    runs: list[list[bool]] = [[] for _ in range(samples)]
+    for i, row in enumerate(correct):
+        valid = [c for c in row if c is not None]
+        infra += len(row) - len(valid)
+        for j, c in enumerate(row):
+            if c is not None:
+                runs[j].append(c)
+        if not valid:
+            continue
+        n, c = len(valid), sum(valid)
+        p1.append(c / n)
+        if task_ids:
+            per_task[task_ids[i]] = c / n
+        pk.append(pass_at_k(n, c, min(k, n)))
+    rates = [sum(r) / len(r) for r in runs if r]
+    return DomainScore(
+        domain=domain, n_tasks=len(p1), samples=samples, k=k,
+        pass_at_1=sum(p1) / len(p1) if p1 else 0.0,
+        pass_at_k=sum(pk) / len(pk) if pk else 0.0,
+        run_pass_rates=rates,
+        run_std=statistics.pstdev(rates) if len(rates) > 1 else 0.0,
+        infra_errors=infra,
+        rejected_tasks=rejected_tasks,
+        task_pass_at_1=per_task,
+    )
+
+
+class Change(msgspec.Struct, frozen=True, kw_only=True):
+    """How pass@1 moved between two evaluations of the same held-out tasks."""
+
+    delta: float
+    """Mean over the tasks both evaluations scored of (after - before)."""
+    ci95: tuple[float, float]
+    """95 % confidence interval of `delta` (normal approximation of the paired mean)."""
+    n_tasks: int
+
+
+def paired_change(before: Mapping[str, float], after: Mapping[str, float]) -> Change:
+    """The change of pass@1 on the tasks both sides scored, paired by task: a task's
+    difficulty cancels out, so the interval is much tighter than comparing two means.
+
+    Worked example: before {a: 0, b: .5, c: 1}, after {a: .5, b: .5, c: 1}: differences
+    (.5, 0, 0), delta 1/6, sample std .289, standard error .167, ci95 = 1/6 ± 1.96 x .167."""
+    common = sorted(set(before) & set(after))
+    diffs = [after[t] - before[t] for t in common]
+    n = len(diffs)
+    if n == 0:
+        return Change(delta=0.0, ci95=(0.0, 0.0), n_tasks=0)
+    delta = sum(diffs) / n
+    half = 1.96 * statistics.stdev(diffs) / math.sqrt(n) if n > 1 else float("inf")
+    return Change(delta=delta, ci95=(delta - half, delta + half), n_tasks=n)
+
+
+def mean_change(changes: Sequence[Change]) -> Change:
+    """The mean of independent per-domain changes, with its interval (the domains' held-out
+    sets are disjoint, so their variances add: se = sqrt(sum se_d^2) / D)."""
+    if not changes:
+        return Change(delta=0.0, ci95=(0.0, 0.0), n_tasks=0)
+    d = len(changes)
+    delta = sum(c.delta for c in changes) / d
+    se = math.sqrt(sum(((c.ci95[1] - c.ci95[0]) / (2 * 1.96)) ** 2 for c in changes)) / d
+    return Change(delta=delta, ci95=(delta - 1.96 * se, delta + 1.96 * se),
+                  n_tasks=sum(c.n_tasks for c in changes))
