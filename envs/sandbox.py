@@ -27,15 +27,21 @@ reaps orphans, and candidate code running as an unprivileged uid (a different on
 so one sandbox's per-uid process budget is not another's). A "keeper" process running as a
 second uid holds the container open; the candidate can't signal it.
 
-A task (`run_task`, what the pool uses) is ONE exec: a wrapper shell kills every process of the
-candidate uid and wipes every writable dir (and checks both), unpacks the files and stdin from
-its environment, prints a per-run start marker, runs the command, kills everything the command
-left behind, and prints an end marker with the exit status. No start marker: the set-up failed,
-an infrastructure error. No end marker: the wrapper was killed, so the sandbox is reset by a
-separate exec before its next task. The wrapper runs /usr/local/bin/reinforge-sh, a copy of dash
-that the candidate's uid can execute but not read: that makes the wrapper non-dumpable, so
-candidate processes can't ptrace it, write its memory or read its environment (which holds the
-task's files) — neither this task's nor a leftover of an earlier one.
+A task (`run_task`, what the pool uses) is ONE exec: a wrapper shell (`task_script`) kills every
+process of the candidate uid and wipes every writable dir (and checks both), unpacks the files
+and stdin from its environment, prints a per-run start marker, runs the command, kills
+everything the command left behind, and prints end markers with the exit status. No start
+marker: the set-up failed, an infrastructure error. No end marker: the wrapper was killed, so
+the sandbox is reset by a separate exec before its next task. The wrapper runs
+/usr/local/bin/reinforge-sh, a copy of dash that the candidate's uid can execute but not read:
+that makes the wrapper non-dumpable, so candidate processes can't ptrace it, write its memory or
+read its environment (which holds the task's files) — neither this task's nor a leftover of an
+earlier one.
+
+One driver, `Sandbox.execute`, runs every exec of candidate code: `run`, `run_task` and batches
+of tasks (sandbox_batch.py) alike. It splits the output per task by the markers, enforces each
+task's deadline (counted from the start of its set-up), the memory watchdog and the flood limit
+by killing the whole container, and classifies how each task ended.
 
 Limits. Where Podman can apply cgroup limits (cgroup v2), memory, pids and CPU are cgroup
 limits *and* rlimits; on cgroup v1 rootless set-ups (these machines) Podman ignores them, so the
@@ -524,10 +530,6 @@ def make_tar(files: Mapping[str, bytes | str]) -> bytes:
 
 _MEMORY_MARKERS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc", b"out of memory")
 
-# One task in one exec: reset (kill leftovers, wipe, check), unpack the files and stdin from the
-# environment, print the start marker, run the candidate, kill what it left behind. The marker
-# (a per-run nonce, first on stdout) tells the host that set-up succeeded: without it the
-# failure is the infrastructure's, whatever the exit code.
 # Reset, run as the candidate uid: kill every process of that uid (kill(-1) spares only the
 # caller and PID 1; the keeper and PID 1 run as other uids), until none is left; delete everything
 # in every writable place (making the candidate's own files writable first if needed).
@@ -550,22 +552,56 @@ D="/work /tmp /var/tmp /dev/shm /run/reinforge"
 find $D -mindepth 1 -delete 2>/dev/null || { chmod -R u+rwX $D 2>/dev/null; find $D -mindepth 1 -delete; } \
   || { echo "reinforge: could not wipe the writable dirs" >&2; exit 1; }
 """
-
-_TASK_SCRIPT = (
-    _RESET_SCRIPT
-    + r"""
-UNPACK
-unset RF_UID UNSET
-printf '%s\n' "$RF_MARK"
-( LIMITS cd "$1" || exit 126; shift; exec nice -n NICE "$@" <"$0" )
-st=$?
-kill -KILL -1 2>/dev/null
-printf '\n%s %d\n' "$RF_MARK" "$st"
-exit $st
-"""
-)
 _ENV_CHUNK = 100_000  # < MAX_ARG_STRLEN (128 KiB) per environment string
 MAX_INLINE_BYTES = 900_000  # files + stdin sent through the exec's environment (< ARG_MAX)
+
+
+def new_mark() -> str:
+    """A task's marker: a nonce the candidate never sees, so it can't fake its task's end."""
+    return f"reinforge-{secrets.token_hex(16)}"
+
+
+def inline_inputs(files_tar: bytes, stdin: bytes, tag: str = "") -> tuple[dict[str, str], str, str]:
+    """A task's files (a tar) and stdin carried in its exec's environment, base64 in chunks named
+    RF_F<tag><n> and RF_S<tag><n>: (those variables, the shell that unpacks them into /work and
+    STDIN_DIR, the path the command's stdin comes from)."""
+    env: dict[str, str] = {}
+    unpack = []
+    stdin_tar = make_tar({"stdin": stdin}) if stdin else b""
+    for prefix, blob, dest in (
+        (f"RF_F{tag}", files_tar, "/work"),
+        (f"RF_S{tag}", stdin_tar, STDIN_DIR),
+    ):
+        if not blob:
+            continue
+        text = base64.b64encode(blob).decode()
+        keys = [f"{prefix}{n}" for n in range((len(text) + _ENV_CHUNK - 1) // _ENV_CHUNK)]
+        env.update((k, text[n * _ENV_CHUNK : (n + 1) * _ENV_CHUNK]) for n, k in enumerate(keys))
+        quoted = " ".join(f'"${k}"' for k in keys)
+        unpack.append(
+            f"printf %s {quoted} | base64 -d | tar -x -m -C {dest} "
+            f'|| {{ echo "reinforge: unpacking into {dest} failed" >&2; exit 1; }}'
+        )
+    return env, "\n".join(unpack), f"{STDIN_DIR}/stdin" if stdin else "/dev/null"
+
+
+def task_script(mark_var: str, unpack: str, command: str) -> str:
+    """One task of an exec's wrapper: the checked reset, unpacking its inputs, its start marker,
+    `command` in a subshell, killing whatever that left behind, its end markers with the status.
+
+    The marker, the nonce in the variable `mark_var`, frames the task's output for
+    `Sandbox.execute`: the start marker, first on stdout, says the set-up succeeded (without it a
+    failure is the infrastructure's, whatever the exit code); the end markers close its part of
+    stdout (with its exit status) and of stderr."""
+    mark = f'"${mark_var}"'
+    return (
+        _RESET_SCRIPT
+        + f"{unpack}\n"
+        + f"printf '%s\\n' {mark}\n"
+        + f"( {command} )\n"
+        + "st=$?\nkill -KILL -1 2>/dev/null\n"
+        + f"printf '\\n%s %d\\n' {mark} \"$st\"; printf '\\n%s\\n' {mark} >&2\n"
+    )
 
 
 class Sandbox:
@@ -771,13 +807,13 @@ class Sandbox:
         wrapper = [
             self.shell,
             "-c",
-            self._limits_prefix(timeout_s)
+            self.limits_prefix(timeout_s)
             + f'cd "$1" || exit 126; shift; exec nice -n {cfg.nice} "$@" <"$0"',
             stdin_path,
             cwd or cfg.work_dir,
             *argv,
         ]
-        return self._exec(wrapper, env=env, timeout_s=timeout_s)
+        return self._run_one(wrapper, env, timeout_s)
 
     async def arun(self, argv: Sequence[str], *, limiter=None, **kwargs) -> RunResult:
         """`run` from trio: in a worker thread (bounded by `limiter` if given)."""
@@ -821,34 +857,51 @@ class Sandbox:
         refused = self._check_input(argv, stdin_b, dict(env or {}), timeout_s)
         if refused is not None:
             return refused
-        task_env = dict(env or {})
-        unpack, names = [], ["RF_MARK"]
-        stdin_tar = make_tar({"stdin": stdin_b}) if stdin_b else b""
-        for prefix, blob, dest in (("RF_F", tar, "/work"), ("RF_S", stdin_tar, STDIN_DIR)):
-            if not blob:
-                continue
-            text = base64.b64encode(blob).decode()
-            chunks = [text[i : i + _ENV_CHUNK] for i in range(0, len(text), _ENV_CHUNK)]
-            keys = [f"{prefix}{i}" for i in range(len(chunks))]
-            task_env.update(zip(keys, chunks))
-            names += keys
-            quoted = " ".join(f'"${k}"' for k in keys)
-            unpack.append(
-                f"printf %s {quoted} | base64 -d | tar -x -m -C {dest} "
-                f'|| {{ echo "reinforge: unpacking into {dest} failed" >&2; exit 1; }}'
-            )
-        mark = f"reinforge-{secrets.token_hex(16)}"
-        task_env["RF_MARK"] = mark
-        task_env["RF_UID"] = str(self.uid)
-        stdin_path = f"{STDIN_DIR}/stdin" if stdin_b else "/dev/null"
-        script = (
-            _TASK_SCRIPT.replace("UNPACK", "\n".join(unpack))
-            .replace("UNSET", " ".join(n for n in names if n != "RF_MARK"))
-            .replace("LIMITS ", self._limits_prefix(timeout_s) + "unset RF_MARK; ")
-            .replace("NICE", str(cfg.nice))
+        inputs, unpack, stdin_path = inline_inputs(tar, stdin_b)
+        unset = " ".join(["RF_UID", "RF_MARK", *inputs])
+        command = (
+            f"unset {unset}; {self.limits_prefix(timeout_s)}"
+            f'cd "$1" || exit 126; shift; exec nice -n {cfg.nice} "$@" <"$0"'
         )
+        script = task_script("RF_MARK", unpack, command) + "exit $st\n"
+        mark = new_mark()
+        task_env = {**(env or {}), **inputs, "RF_MARK": mark, "RF_UID": str(self.uid)}
         wrapper = [self.shell, "-c", script, stdin_path, cfg.work_dir, *argv]
-        return self._exec(wrapper, env=task_env, timeout_s=timeout_s, marker=mark.encode() + b"\n")
+        return self._run_one(wrapper, task_env, timeout_s, mark=mark)
+
+    def execute(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        timeouts: Sequence[float],
+        marks: Sequence[str] | None = None,
+    ) -> list[RunResult | None]:
+        """Run one exec of `argv` that carries one task per entry of `timeouts`: their results.
+
+        Framed by `marks` (the wrapper prints each task's markers, see `task_script`), task i
+        owns its part of the output and its status comes from its end marker; unframed (`marks`
+        None), the exec is one plain command and Podman tells its status. Task i's deadline is
+        timeouts[i] from the end of the task before it (from the start of the exec for the
+        first): its set-up counts. None: the task did not run (a task before it was killed, or
+        its set-up failed) or the infrastructure lost it (the container died, or was killed
+        before the set-up finished). Raises SandboxInfraError when the exec failed as a whole
+        (and marks the sandbox unhealthy).
+        """
+        if len(timeouts) != (1 if marks is None else len(marks)):
+            raise ValueError("timeouts: one per mark (exactly one when unframed)")
+        return _Exec(self, timeouts, marks).drive(argv, env)
+
+    def _run_one(
+        self, argv, env: Mapping[str, str], timeout_s: float, *, mark: str | None = None
+    ) -> RunResult:
+        """`run`'s and `run_task`'s exec: its one result, or SandboxInfraError if it has none."""
+        run = _Exec(self, [timeout_s], None if mark is None else [mark])
+        [result] = run.drive(argv, env)
+        if result is None:
+            why = run.lost or "was killed before the task's set-up finished"
+            raise SandboxInfraError(f"sandbox {self.name} {why}")
+        return result
 
     def _check_input(self, argv, stdin_b: bytes, env: dict, timeout_s: float) -> RunResult | None:
         cfg = self.config
@@ -901,7 +954,7 @@ class Sandbox:
 
     # -- internals --------------------------------------------------------------------
 
-    def _limits_prefix(self, timeout_s: float) -> str:
+    def limits_prefix(self, timeout_s: float) -> str:
         """Shell (dash) that sets the candidate's rlimits, soft = hard, before exec."""
         cfg = self.config
         cpu_s = max(1, int(timeout_s) + 1)
@@ -1001,160 +1054,6 @@ class Sandbox:
         except Exception:
             pass
 
-    def _exec(
-        self, argv, *, env: Mapping[str, str], timeout_s: float, marker: bytes = b""
-    ) -> RunResult:
-        cfg = self.config
-        self.runs += 1
-        t0 = time.monotonic()
-        exec_id, start = self._exec_start(argv, env)
-        fired = {"timeout": False, "flood": False, "memory": False}
-        peak_rss = [0]
-
-        def on_deadline() -> None:
-            fired["timeout"] = True
-            self._kill()
-
-        timer = threading.Timer(timeout_s, on_deadline)
-        timer.start()
-        stop_watch = threading.Event()
-        if self.limits is LimitMechanism.RLIMIT and self.host_uid is not None:
-            # rlimits bound memory per process, not per sandbox: watch the uid's total RSS
-            def watch_memory() -> None:
-                while not stop_watch.wait(cfg.memory_poll_s):
-                    rss = rss_of_host_uid(self.host_uid)
-                    peak_rss[0] = max(peak_rss[0], rss)
-                    if rss > cfg.memory_bytes:
-                        fired["memory"] = True
-                        self._kill()
-                        return
-
-            threading.Thread(target=watch_memory, daemon=True).start()
-        out, err = bytearray(), bytearray()
-        counts = [0, 0, 0]
-        pending_mark = bytearray()  # stdout bytes until the start marker is complete
-        tail = bytearray()  # the last stdout bytes, where the end marker "\n<mark> <status>\n" is
-        tail_keep = len(marker) + 16
-        try:
-            for kind, chunk in _frames(start.raw):
-                kind = 2 if kind == 2 else 1
-                if marker and kind == 1 and len(pending_mark) < len(marker):
-                    need = len(marker) - len(pending_mark)
-                    pending_mark.extend(chunk[:need])
-                    chunk = chunk[need:]
-                    if not chunk:
-                        continue
-                if marker and kind == 1:
-                    tail.extend(chunk)
-                    del tail[:-tail_keep]
-                counts[kind] += len(chunk)
-                buf = out if kind == 1 else err
-                room = cfg.max_output_bytes - len(buf)
-                if room > 0:
-                    buf.extend(chunk[:room])
-                if counts[1] + counts[2] > cfg.max_drained_bytes and not fired["flood"]:
-                    fired["flood"] = True
-                    self._kill()
-        except Exception as exc:
-            if not any(fired.values()):
-                self.healthy = False
-                raise SandboxInfraError(
-                    f"reading output from sandbox {self.name} failed: {exc}"
-                ) from exc
-        finally:
-            timer.cancel()
-            stop_watch.set()
-            start.close()
-        duration_s = time.monotonic() - t0
-        if marker and bytes(pending_mark) != marker and not any(fired.values()):
-            self.healthy = False
-            raise SandboxInfraError(
-                f"task set-up failed in sandbox {self.name}: "
-                f"{bytes(err[-500:]).decode(errors='replace')}"
-            )
-        exit_code: int | None = None
-        end = _end_status(bytes(tail), marker[:-1]) if marker else None
-        if end is not None:  # the wrapper ran to its end and said the status: no inspect call
-            exit_code, end_len = end
-            counts[1] -= end_len
-            keep = min(len(out), counts[1])
-            del out[keep:]
-        else:
-            self.dirty = self.dirty or bool(marker)
-            try:
-                exit_code = self._exec_inspect(exec_id).get("ExitCode")
-            except Exception as exc:
-                if not any(fired.values()):
-                    self.healthy = False
-                    raise SandboxInfraError(
-                        f"exec inspect in sandbox {self.name} failed: {exc}"
-                    ) from exc
-        if (
-            not any(fired.values())
-            and (exit_code is None or exit_code >= 125)
-            and not self._alive()
-        ):
-            # the container died under us and we did not kill it: the candidate can't do that
-            # (PID 1 and the keeper are out of its reach), so it is the infrastructure
-            self.healthy = False
-            raise SandboxInfraError(f"sandbox {self.name} died during the run")
-        timed_out = fired["timeout"]
-        if timed_out or fired["flood"] or fired["memory"]:
-            exit_code = 137 if exit_code in (None, 0, -1) else exit_code
-        tail = bytes(err[-512:])
-        oom = (
-            exit_code not in (0, None) and not timed_out and any(m in tail for m in _MEMORY_MARKERS)
-        )
-        if not timed_out and self.limits is LimitMechanism.CGROUP and exit_code == 137:
-            oom = oom or self._oom_killed()
-        oom = oom or fired["memory"]
-        if (
-            exit_code == 128 + 9
-            and not timed_out
-            and not fired["memory"]
-            and self.limits is LimitMechanism.RLIMIT
-            and duration_s >= timeout_s - 0.05
-        ):
-            timed_out = True  # RLIMIT_CPU ends in SIGKILL after SIGXCPU
-        if exit_code == 128 + 24:  # SIGXCPU: RLIMIT_CPU
-            timed_out = True
-        truncated = counts[1] > cfg.max_output_bytes or counts[2] > cfg.max_output_bytes
-        if timed_out:
-            status = Outcome.TIMEOUT
-        elif fired["flood"]:
-            status = Outcome.OUTPUT_LIMIT
-        elif oom:
-            status = Outcome.MEMORY_LIMIT
-        elif exit_code == 0:
-            status = Outcome.OK
-        else:
-            status = Outcome.NONZERO_EXIT
-        detail = ""
-        if timed_out:
-            detail = f"killed at the {timeout_s:g} s deadline"
-        elif fired["flood"]:
-            detail = f"killed after {counts[1] + counts[2]} bytes of output"
-        elif fired["memory"]:
-            detail = (
-                f"killed by the host memory watchdog: the candidate's processes held "
-                f"{peak_rss[0]} bytes, over memory_bytes={cfg.memory_bytes}"
-            )
-        return RunResult(
-            status=status,
-            exit_code=exit_code,
-            stdout=bytes(out),
-            stderr=bytes(err),
-            stdout_bytes=counts[1],
-            stderr_bytes=counts[2],
-            duration_s=duration_s,
-            timed_out=timed_out,
-            oom_killed=oom,
-            output_truncated=truncated,
-            limits=self.limits,
-            image=cfg.image,
-            detail=detail,
-        )
-
     def _alive(self) -> bool:
         try:
             self._container.reload()
@@ -1170,15 +1069,289 @@ class Sandbox:
             return False
 
 
-def _end_status(tail: bytes, mark: bytes) -> tuple[int, int] | None:
-    """(status, length) of the end marker b"\\n<mark> <status>\\n" at the end of stdout, if there."""
-    at = tail.rfind(b"\n" + mark + b" ")
-    if at < 0 or not tail.endswith(b"\n"):
-        return None
-    digits = tail[at + len(mark) + 2 : -1]
-    if not digits.isdigit():
-        return None
-    return int(digits), len(tail) - at
+class _Split:
+    """One output stream (stdout or stderr) of an exec, split into the parts of its tasks.
+
+    Framed by the tasks' marks (see `task_script`), task i's part follows its start marker
+    "<mark>\\n" (stdout only) and ends at its end marker: "\\n<mark> <status>\\n" on stdout,
+    "\\n<mark>\\n" on stderr. Unframed (no marks: a plain command), the whole stream is the part
+    of its one task. Each part keeps its first `cap` bytes and counts them all.
+    """
+
+    def __init__(self, marks: Sequence[bytes] | None, *, stdout: bool, cap: int):
+        self.marks = marks
+        self.with_status = stdout
+        self.cap = cap
+        self.index = 0
+        """The task whose part the stream is in (len(marks) once every part has ended)."""
+        self.inside = marks is None or not stdout
+        """Whether the current task's start marker was seen (or there is none to see)."""
+        self.pending = bytearray()  # what may be the beginning of a marker
+        parts = 1 if marks is None else len(marks)
+        self.kept: list[bytearray] = [bytearray() for _ in range(parts)]
+        self.counts = [0] * parts
+        self.status: list[int | None] = [None] * parts
+
+    def started(self, i: int) -> bool:
+        return i < self.index or (i == self.index and self.inside)
+
+    def _commit(self, data: bytes) -> None:
+        i = self.index
+        self.counts[i] += len(data)
+        room = self.cap - len(self.kept[i])
+        if room > 0:
+            self.kept[i].extend(data[:room])
+
+    def feed(self, data: bytes) -> None:
+        if self.marks is None:
+            self._commit(data)
+            return
+        self.pending.extend(data)
+        while self.index < len(self.marks):
+            mark = self.marks[self.index]
+            if not self.inside:
+                start = mark + b"\n"
+                if len(self.pending) < len(start):
+                    return
+                if bytes(self.pending[: len(start)]) != start:
+                    raise SandboxInfraError("task start marker missing (set-up failed)")
+                del self.pending[: len(start)]
+                self.inside = True
+            end = b"\n" + mark + (b" " if self.with_status else b"\n")
+            at = self.pending.find(end)
+            if at < 0:
+                keep = len(end) + 12
+                if len(self.pending) > keep:
+                    self._commit(bytes(self.pending[:-keep]))
+                    del self.pending[:-keep]
+                return
+            if self.with_status:
+                nl = self.pending.find(b"\n", at + len(end))
+                if nl < 0:
+                    return  # the status is not complete yet
+                digits = bytes(self.pending[at + len(end) : nl])
+                if not digits.isdigit():
+                    raise SandboxInfraError("malformed task end marker")
+                self.status[self.index] = int(digits)
+                stop = nl + 1
+            else:
+                stop = at + len(end)
+            self._commit(bytes(self.pending[:at]))
+            del self.pending[:stop]
+            self.index += 1
+            self.inside = not self.with_status
+
+    def flush_current(self) -> None:
+        """The stream ended mid-task: what is pending belongs to the current task."""
+        if self.index < len(self.kept) and self.inside and self.pending:
+            self._commit(bytes(self.pending))
+            self.pending.clear()
+
+
+class _Exec:
+    """One exec in a sandbox, driven to its end (see `Sandbox.execute`): the one place where the
+    output is split per task and capped, the deadline, the memory watchdog and the flood limit
+    are enforced (by killing the whole container), and how each task ended is classified. `run`,
+    `run_task` and batches (sandbox_batch.py) all come here, so they can't disagree."""
+
+    def __init__(self, box: Sandbox, timeouts: Sequence[float], marks: Sequence[str] | None):
+        cap = box.config.max_output_bytes
+        encoded = None if marks is None else [m.encode() for m in marks]
+        self.box = box
+        self.timeouts = list(timeouts)
+        self.framed = marks is not None
+        self.out = _Split(encoded, stdout=True, cap=cap)
+        self.err = _Split(encoded, stdout=False, cap=cap)
+        self.began: list[float | None] = [None] * len(self.timeouts)
+        self.ended: list[float | None] = [None] * len(self.timeouts)
+        self.fired: tuple[str, int] | None = None
+        """Why the host killed the container ("timeout", "flood", "memory"), and which task's
+        doing it was."""
+        self.lost = ""
+        """Why the infrastructure lost the task in progress (then it has no result)."""
+        self.peak_rss = 0
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        self._done = threading.Event()
+
+    def drive(self, argv, env: Mapping[str, str]) -> list[RunResult | None]:
+        box = self.box
+        box.runs += len(self.timeouts)
+        t0 = time.monotonic()
+        exec_id, start = box._exec_start(argv, env)
+        self._begin(0, t0)
+        if box.limits is LimitMechanism.RLIMIT and box.host_uid is not None:
+            threading.Thread(target=self._watch_memory, daemon=True).start()
+        try:
+            self._read(start.raw)
+        finally:
+            with self._lock:
+                self._timer.cancel()
+            self._done.set()
+            start.close()
+        end_s = time.monotonic()
+        self.out.flush_current()
+        self.err.flush_current()
+        if self.framed and not self.out.started(0) and not self.fired:
+            box.healthy = False
+            raise SandboxInfraError(
+                f"task set-up failed in sandbox {box.name}: {self._stderr_tail(0)}"
+            )
+        code = self._exit_code(exec_id) if self.out.index < len(self.timeouts) else None
+        return [self._result(i, code, end_s) for i in range(len(self.timeouts))]
+
+    def _read(self, raw) -> None:
+        box, n = self.box, len(self.timeouts)
+        try:
+            for kind, chunk in _frames(raw):
+                if kind == 2:
+                    self.err.feed(chunk)
+                else:
+                    ending = self.out.index
+                    self.out.feed(chunk)
+                    for i in range(ending, self.out.index):
+                        self._end(i)
+                i = self.out.index
+                if i < n and self.out.counts[i] + self.err.counts[i] > box.config.max_drained_bytes:
+                    self._kill_for("flood")
+        except SandboxInfraError as exc:  # bytes where a start or end marker belongs
+            box.healthy = False
+            raise SandboxInfraError(
+                f"{exc} in sandbox {box.name}: {self._stderr_tail(self.out.index)}"
+            ) from exc
+        except Exception as exc:
+            if not self.fired:
+                box.healthy = False
+                raise SandboxInfraError(
+                    f"reading output from sandbox {box.name} failed: {exc}"
+                ) from exc
+
+    def _begin(self, i: int, now: float) -> None:
+        """Task i's part of the exec begins: its deadline runs from now, its set-up included."""
+        self.began[i] = now
+        with self._lock:
+            if self._timer:
+                self._timer.cancel()
+            self._timer = threading.Timer(self.timeouts[i], self._kill_for, ("timeout", i))
+            self._timer.start()
+
+    def _end(self, i: int) -> None:
+        """Task i printed its end: the next one's part (and deadline) begins."""
+        now = time.monotonic()
+        self.ended[i] = now
+        if i + 1 < len(self.timeouts):
+            self._begin(i + 1, now)
+        else:
+            with self._lock:
+                self._timer.cancel()
+
+    def _kill_for(self, reason: str, task: int | None = None) -> None:
+        """Kill the container for `reason`, the doing of `task` (default: the one running), once;
+        not for a task that has ended meanwhile (a deadline that lost the race to its end)."""
+        with self._lock:
+            running = self.out.index
+            if self.fired or (task is not None and task != running):
+                return
+            self.fired = (reason, running)
+        self.box._kill()
+
+    def _watch_memory(self) -> None:
+        # rlimits bound memory per process, not per sandbox: watch the uid's total RSS
+        cfg = self.box.config
+        while not self._done.wait(cfg.memory_poll_s):
+            rss = rss_of_host_uid(self.box.host_uid)
+            self.peak_rss = max(self.peak_rss, rss)
+            if rss > cfg.memory_bytes:
+                self._kill_for("memory")
+                return
+
+    def _exit_code(self, exec_id: str) -> int | None:
+        """The exit status of an exec whose task in progress did not print its end (a plain
+        command's always; a framed task's when its wrapper was killed), from Podman. None:
+        unknown, or the container died under us (then `lost` says which; no result)."""
+        box = self.box
+        box.dirty = box.dirty or self.framed  # the wrapper did not clean up after its task
+        try:
+            code = box._exec_inspect(exec_id).get("ExitCode")
+        except Exception as exc:
+            if not self.fired:
+                box.healthy = False
+                self.lost = f"could not say how the run ended: exec inspect failed: {exc}"
+            return None
+        if not self.fired and (code is None or not 0 <= code < 125) and not box._alive():
+            # the container died under us and we did not kill it: the candidate can't do that
+            # (PID 1 and the keeper are out of its reach), so it is the infrastructure
+            box.healthy = False
+            self.lost = "died during the run"
+            return None
+        return code
+
+    def _result(self, i: int, code: int | None, end_s: float) -> RunResult | None:
+        """Task i's result; `code`: the exec's exit status, for the task in progress."""
+        if not self.out.started(i):
+            return None  # never ran: its set-up failed or was killed, or a task before it was
+        in_progress = i == self.out.index
+        if in_progress and self.lost:
+            return None
+        if not in_progress:
+            code = self.out.status[i]
+        why = self.fired[0] if self.fired and self.fired[1] == i else None
+        if why:
+            code = 137 if code in (None, 0, -1) else code
+        duration_s = (self.ended[i] or end_s) - self.began[i]
+        return self._classify(i, code, why, duration_s)
+
+    def _classify(self, i: int, code: int, why: str | None, duration_s: float) -> RunResult:
+        box, cfg = self.box, self.box.config
+        timeout_s = self.timeouts[i]
+        rlimit = box.limits is LimitMechanism.RLIMIT
+        timed_out = (
+            why == "timeout"
+            or code == 128 + 24  # SIGXCPU: RLIMIT_CPU
+            # RLIMIT_CPU ends in SIGKILL: at the deadline it is the deadline's
+            or (code == 128 + 9 and not why and rlimit and duration_s >= timeout_s - 0.05)
+        )
+        tail = bytes(self.err.kept[i][-512:])
+        oom = why == "memory" or (
+            code != 0 and not timed_out and any(m in tail for m in _MEMORY_MARKERS)
+        )
+        if not oom and not timed_out and not rlimit and code == 128 + 9:
+            oom = box._oom_killed()
+        stdout_bytes, stderr_bytes = self.out.counts[i], self.err.counts[i]
+        detail = ""
+        if timed_out:
+            status, detail = Outcome.TIMEOUT, f"killed at the {timeout_s:g} s deadline"
+        elif why == "flood":
+            status = Outcome.OUTPUT_LIMIT
+            detail = f"killed after {stdout_bytes + stderr_bytes} bytes of output"
+        elif oom:
+            status = Outcome.MEMORY_LIMIT
+            if why == "memory":
+                detail = (
+                    f"killed by the host memory watchdog: the candidate's processes held "
+                    f"{self.peak_rss} bytes, over memory_bytes={cfg.memory_bytes}"
+                )
+        else:
+            status = Outcome.OK if code == 0 else Outcome.NONZERO_EXIT
+        return RunResult(
+            status=status,
+            exit_code=code,
+            stdout=bytes(self.out.kept[i]),
+            stderr=bytes(self.err.kept[i]),
+            stdout_bytes=stdout_bytes,
+            stderr_bytes=stderr_bytes,
+            duration_s=duration_s,
+            timed_out=timed_out,
+            oom_killed=oom,
+            output_truncated=max(stdout_bytes, stderr_bytes) > cfg.max_output_bytes,
+            limits=box.limits,
+            image=cfg.image,
+            detail=detail,
+        )
+
+    def _stderr_tail(self, i: int) -> str:
+        kept = self.err.kept[min(i, len(self.err.kept) - 1)]
+        return bytes(kept[-500:]).decode(errors="replace")
 
 
 def _frames(raw):

@@ -1,21 +1,31 @@
-"""Pure parts of the sandbox: config checks, tars, cache keys, stream framing. No Podman."""
+"""Pure parts of the sandbox: config checks, tars, cache keys, stream framing, and how a task's
+end is classified (on an exec played back by a fake container). No Podman."""
 
 from __future__ import annotations
 
 import io
+import json
+import re
 import tarfile
+import time
+from types import SimpleNamespace
+from typing import NamedTuple
 
 import pytest
 
 from reinforge.envs.sandbox import (
     LABELS_ENV,
+    PROTECTED_SHELL,
+    LimitMechanism,
+    Outcome,
+    Sandbox,
     SandboxConfig,
-    _end_status,
     _frames,
     default_podman_url,
     labels_from_env,
     make_tar,
 )
+from reinforge.envs.sandbox_batch import Task, run_batch
 from reinforge.envs.sandbox_pool import Job, PoolConfig
 
 
@@ -59,12 +69,6 @@ def test_cache_key_changes_with_code_tests_command_and_image_only():
         assert other.cache_key("img:1") != job.cache_key("img:1")
 
 
-def test_end_marker_parsing_gives_status_and_length():
-    assert _end_status(b"out\nMARK 3\n", b"MARK") == (3, 8)
-    assert _end_status(b"out\nMARK x\n", b"MARK") is None
-    assert _end_status(b"out", b"MARK") is None
-
-
 def test_frames_are_demultiplexed_in_order():
     raw = io.BytesIO(b"\x01\x00\x00\x00\x00\x00\x00\x02hi" + b"\x02\x00\x00\x00\x00\x00\x00\x03err")
     assert list(_frames(raw)) == [(1, b"hi"), (2, b"err")]
@@ -83,3 +87,105 @@ def test_sandbox_labels_come_from_the_environment_and_a_bad_one_is_named(monkeyp
     monkeypatch.setenv(LABELS_ENV, "job=17,oops")
     with pytest.raises(ValueError, match="'oops' is not key=value"):
         labels_from_env()
+
+
+class Played(NamedTuple):
+    """What one task's part of an exec does, as `FakeContainer` plays it back."""
+
+    ran_s: float = 0.1
+    status: int = 0
+    stdout: bytes = b""
+    stderr: bytes = b""
+
+
+class FakeContainer:
+    """Podman's exec API for one container, as far as a task's exec uses it, with the exec's
+    wrapper played back: per task, its start marker, `ran_s` seconds on the sandbox's clock, its
+    output and its end markers, in frames of `frame_bytes`. No Podman: durations are exact, so
+    the rules at the deadline are checked exactly (a real run can't end 10 ms before its
+    deadline on demand)."""
+
+    id = name = "fake"
+    status = "running"
+
+    def __init__(self, monkeypatch, tasks: list[Played], frame_bytes: int):
+        self.client = self
+        self.tasks = tasks
+        self.frame_bytes = frame_bytes
+        self.skew = 0.0
+        self.pending = b""
+        real = time.monotonic
+        monkeypatch.setattr(time, "monotonic", lambda: real() + self.skew)
+
+    def post(self, url, data, **_):
+        if url.endswith("/exec"):
+            env = dict(e.split("=", 1) for e in json.loads(data)["Env"])
+            count = sum(bool(re.fullmatch(r"RF_M\d+", k)) for k in env)
+            self.marks = [env.get("RF_MARK") or env[f"RF_M{i}"] for i in range(max(count, 1))]
+            self.frames = self.playback()
+            return SimpleNamespace(raise_for_status=lambda: None, json=lambda: {"Id": "exec"})
+        return SimpleNamespace(raise_for_status=lambda: None, raw=self, close=lambda: None)
+
+    def reload(self) -> None:  # its state is `status`: running
+        pass
+
+    def read(self, n: int) -> bytes:  # the exec's multiplexed stream, played as it is read
+        if not self.pending:
+            self.pending = next(self.frames, b"")
+        out, self.pending = self.pending[:n], self.pending[n:]
+        return out
+
+    def playback(self):
+        for mark, task in zip((m.encode() for m in self.marks), self.tasks, strict=True):
+            yield from self.frames_of(1, mark + b"\n")
+            self.skew += task.ran_s
+            yield from self.frames_of(1, task.stdout + b"\n%s %d\n" % (mark, task.status))
+            yield from self.frames_of(2, task.stderr + b"\n%s\n" % mark)
+
+    def frames_of(self, stream: int, data: bytes):
+        for at in range(0, len(data), self.frame_bytes):
+            chunk = data[at : at + self.frame_bytes]
+            yield bytes([stream, 0, 0, 0]) + len(chunk).to_bytes(4, "big") + chunk
+
+
+def fake_box(monkeypatch, tasks: list[Played], *, frame_bytes: int = 65536) -> Sandbox:
+    fake = FakeContainer(monkeypatch, tasks, frame_bytes)
+    config = SandboxConfig(timeout_s=2.0, exec_reap_s=0)
+    return Sandbox(
+        fake, fake, config, uid=20001, limits=LimitMechanism.RLIMIT, shell=PROTECTED_SHELL
+    )
+
+
+def test_each_tasks_output_and_status_are_cut_at_its_markers_however_the_stream_is_chunked(
+    monkeypatch,
+):
+    played = [
+        Played(status=0, stdout=b"o0", stderr=b"e0\n"),
+        Played(status=3, stdout=b"\n" * 40 + b"reinforge-", stderr=b""),
+    ]
+    box = fake_box(monkeypatch, played, frame_bytes=3)
+    results = run_batch(box, [Task(argv=["a"]), Task(argv=["b"])])
+    assert [(r.exit_code, r.stdout, r.stderr) for r in results] == [
+        (0, b"o0", b"e0\n"),
+        (3, b"\n" * 40 + b"reinforge-", b""),
+    ]
+    assert [r.stdout_bytes for r in results] == [2, 50]
+
+
+@pytest.mark.parametrize(
+    ("ran_s", "status"), [(1.99, Outcome.TIMEOUT), (1.0, Outcome.NONZERO_EXIT)]
+)
+@pytest.mark.parametrize("batched", [False, True], ids=["single", "batch"])
+def test_a_sigkill_at_the_deadline_is_a_timeout_in_a_batch_as_in_a_single_run(
+    monkeypatch, batched, ran_s, status
+):
+    # rlimit mode: RLIMIT_CPU ends in SIGKILL, which only its timing tells from the candidate's own
+    if batched:
+        box = fake_box(monkeypatch, [Played(), Played(ran_s=ran_s, status=137)])
+        first, result = run_batch(box, [Task(argv=["true"]), Task(argv=["spin"])])
+        assert first.ok
+    else:
+        box = fake_box(monkeypatch, [Played(ran_s=ran_s, status=137)])
+        result = box.run_task({}, ["spin"])
+    assert (result.status, result.exit_code) == (status, 137)
+    assert result.timed_out is (status is Outcome.TIMEOUT)
