@@ -85,9 +85,13 @@ class Rollout(_Msg, frozen=True, tag="rollout/1"):
 
 
 class Check(msgspec.Struct, frozen=True, kw_only=True):
+    """One named check inside a verification (a domain's `Verdict` carries them)."""
+
     name: str
+    """What was checked, e.g. `answer_matches` or `field:revenue_2023`."""
     passed: bool
     detail: str = ""
+    """Human-readable evidence: expected vs got, the failing assertion, ..."""
 
 
 class ScoredRollout(_Msg, frozen=True, tag="scored/1"):

@@ -41,25 +41,12 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
+from reinforge.core.messages import Check, Outcome
 
-Outcome = Literal["pass", "fail", "timeout", "error", "infra_error"]
-"""The bus's outcome enum. `infra_error` is only for infrastructure faults."""
-
-OUTCOMES: tuple[str, ...] = ("pass", "fail", "timeout", "error", "infra_error")
 
 TaskSource = Literal["generated", "jsonl"]
 
 ENTRY_POINT_GROUP = "reinforge.envs"
-
-
-class Check(msgspec.Struct, frozen=True, kw_only=True):
-    """One named check inside a verification."""
-
-    name: str
-    """What was checked, e.g. `answer_matches` or `field:revenue_2023`."""
-    passed: bool
-    detail: str = ""
-    """Human-readable evidence: expected vs got, the failing assertion, ..."""
 
 
 class Verdict(msgspec.Struct, frozen=True, kw_only=True):
@@ -75,9 +62,12 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if not 0.0 <= self.reward <= 1.0:
             raise ValueError(f"Verdict.reward must be in [0, 1], got {self.reward!r}")
-        if self.outcome not in OUTCOMES:
-            raise ValueError(f"Verdict.outcome must be one of {OUTCOMES}, got {self.outcome!r}")
-        if self.outcome == "infra_error" and self.reward != 0.0:
+        try:  # a domain may name the outcome by its value ("pass"): store the enum
+            msgspec.structs.force_setattr(self, "outcome", Outcome(self.outcome))
+        except ValueError:
+            known = [o.value for o in Outcome]
+            raise ValueError(f"Verdict.outcome must be one of {known}, got {self.outcome!r}") from None
+        if self.outcome is Outcome.INFRA_ERROR and self.reward != 0.0:
             raise ValueError("an infra_error verdict carries no reward (0.0)")
 
 

@@ -128,8 +128,9 @@ STDIN_DIR = "/run/reinforge"  # where stdin is staged (a small tmpfs, wiped by r
 # --------------------------------------------------------------------------- types
 
 
-class Outcome(enum.Enum):
-    """What happened to the candidate's command (its own doing, never the infrastructure's)."""
+class RunStatus(enum.Enum):
+    """How the candidate's command ended (its own doing, never the infrastructure's). A
+    domain turns it into a verification outcome (`reinforge.core.messages.Outcome`)."""
 
     OK = "ok"  # exit status 0
     NONZERO_EXIT = "nonzero_exit"  # an exception, a failed test, a wrong answer, a signal
@@ -149,7 +150,7 @@ class LimitMechanism(enum.Enum):
 class RunResult(msgspec.Struct, frozen=True, kw_only=True):
     """The outcome of one command in a sandbox."""
 
-    status: Outcome
+    status: RunStatus
     exit_code: int | None
     """Exit status; 128+N when killed by signal N; None when it never ran."""
     stdout: bytes
@@ -180,7 +181,7 @@ class RunResult(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def ok(self) -> bool:
-        return self.status is Outcome.OK
+        return self.status is RunStatus.OK
 
 
 class SandboxInfraError(RuntimeError):
@@ -967,7 +968,7 @@ class Sandbox:
     def input_too_large(self, detail: str) -> RunResult:
         """The result of a run refused before it started (INPUT_TOO_LARGE)."""
         return RunResult(
-            status=Outcome.INPUT_TOO_LARGE,
+            status=RunStatus.INPUT_TOO_LARGE,
             exit_code=None,
             stdout=b"",
             stderr=b"",
@@ -1320,19 +1321,19 @@ class _Exec:
         stdout_bytes, stderr_bytes = self.out.counts[i], self.err.counts[i]
         detail = ""
         if timed_out:
-            status, detail = Outcome.TIMEOUT, f"killed at the {timeout_s:g} s deadline"
+            status, detail = RunStatus.TIMEOUT, f"killed at the {timeout_s:g} s deadline"
         elif why == "flood":
-            status = Outcome.OUTPUT_LIMIT
+            status = RunStatus.OUTPUT_LIMIT
             detail = f"killed after {stdout_bytes + stderr_bytes} bytes of output"
         elif oom:
-            status = Outcome.MEMORY_LIMIT
+            status = RunStatus.MEMORY_LIMIT
             if why == "memory":
                 detail = (
                     f"killed by the host memory watchdog: the candidate's processes held "
                     f"{self.peak_rss} bytes, over memory_bytes={cfg.memory_bytes}"
                 )
         else:
-            status = Outcome.OK if code == 0 else Outcome.NONZERO_EXIT
+            status = RunStatus.OK if code == 0 else RunStatus.NONZERO_EXIT
         return RunResult(
             status=status,
             exit_code=code,

@@ -26,7 +26,9 @@ from reinforge.envs.sandbox import (
 PULL_IMAGE = "docker.io/library/python:3.11-slim"
 
 
-class Check(msgspec.Struct, frozen=True, kw_only=True):
+class SetupCheck(msgspec.Struct, frozen=True, kw_only=True):
+    """One finding of `reinforge sandbox doctor`: what was checked, and how to fix it."""
+
     name: str
     ok: bool
     detail: str
@@ -40,10 +42,10 @@ def setup_script() -> Path | None:
     return path if path.exists() else None
 
 
-def doctor(image: str = DEFAULT_IMAGE) -> list[Check]:
+def doctor(image: str = DEFAULT_IMAGE) -> list[SetupCheck]:
     """What is missing for sandboxes here, and how to fix each thing."""
-    checks: list[Check] = []
-    add = lambda *a, **k: checks.append(Check(*a, **k))
+    checks: list[SetupCheck] = []
+    add = lambda *a, **k: checks.append(SetupCheck(*a, **k))
     setup = "run `sudo scripts/setup_podman.sh` (idempotent)"
     podman = shutil.which("podman")
     add(

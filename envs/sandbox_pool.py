@@ -40,7 +40,7 @@ from reinforge.envs.sandbox import (
     MAX_INLINE_BYTES,
     CANDIDATE_UID_BASE,
     CANDIDATE_UID_SPAN,
-    Outcome,
+    RunStatus,
     RunResult,
     Sandbox,
     SandboxConfig,
@@ -321,7 +321,7 @@ class SandboxPool:
                 self._last_error = error
                 continue
             self._latencies.append(time.monotonic() - t0)
-            if self.config.cache_entries and result.status is not Outcome.INPUT_TOO_LARGE:
+            if self.config.cache_entries and result.status is not RunStatus.INPUT_TOO_LARGE:
                 self._cache[key] = result
                 while len(self._cache) > self.config.cache_entries:
                     self._cache.popitem(last=False)

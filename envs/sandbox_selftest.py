@@ -18,7 +18,7 @@ from collections.abc import Callable
 import msgspec
 import trio
 
-from reinforge.envs.sandbox import Outcome, RunResult, SandboxConfig
+from reinforge.envs.sandbox import RunStatus, RunResult, SandboxConfig
 from reinforge.envs.sandbox_pool import InfraFailure, Job, PoolConfig, SandboxPool
 
 
@@ -107,7 +107,7 @@ def _cases() -> list[Case]:
             timeout_s=3,
         ),
         lambda r, ctx: _all(
-            (r.status in (Outcome.TIMEOUT, Outcome.NONZERO_EXIT), f"status {r.status}"),
+            (r.status in (RunStatus.TIMEOUT, RunStatus.NONZERO_EXIT), f"status {r.status}"),
             (r.duration_s < 3 + 5, f"took {r.duration_s:.1f} s"),
         ),
     )
@@ -120,7 +120,7 @@ def _cases() -> list[Case]:
             timeout_s=10,
         ),
         lambda r, ctx: _all(
-            (r.status is Outcome.MEMORY_LIMIT, f"status {r.status}, {r.stderr_text[-200:]}"),
+            (r.status is RunStatus.MEMORY_LIMIT, f"status {r.status}, {r.stderr_text[-200:]}"),
             (r.oom_killed, "oom_killed not set"),
         ),
     )
@@ -133,7 +133,7 @@ def _cases() -> list[Case]:
             timeout_s=20,
         ),
         lambda r, ctx: _all(
-            (r.status is Outcome.MEMORY_LIMIT and r.oom_killed, f"status {r.status} {r.detail}"),
+            (r.status is RunStatus.MEMORY_LIMIT and r.oom_killed, f"status {r.status} {r.detail}"),
             (r.duration_s < 10, f"took {r.duration_s:.1f} s"),
         ),
     )
@@ -145,7 +145,7 @@ def _cases() -> list[Case]:
             timeout_s=10,
         ),
         lambda r, ctx: _all(
-            (r.status is Outcome.NONZERO_EXIT, f"status {r.status}"),
+            (r.status is RunStatus.NONZERO_EXIT, f"status {r.status}"),
             (
                 any(
                     s in r.stderr_text
@@ -167,7 +167,7 @@ def _cases() -> list[Case]:
         ),
         lambda r, ctx: _all(
             (
-                r.status is Outcome.OK and "stopped" in r.stdout_text,
+                r.status is RunStatus.OK and "stopped" in r.stdout_text,
                 f"status {r.status} {r.stdout_text[-100:]}",
             )
         ),
@@ -179,7 +179,7 @@ def _cases() -> list[Case]:
         lambda r, ctx: _all(
             (r.output_truncated, "output_truncated not set"),
             (len(r.stdout) <= 64 * 1024, f"kept {len(r.stdout)} bytes"),
-            (r.status in (Outcome.OUTPUT_LIMIT, Outcome.TIMEOUT), f"status {r.status}"),
+            (r.status in (RunStatus.OUTPUT_LIMIT, RunStatus.TIMEOUT), f"status {r.status}"),
         ),
     )
     add(
@@ -198,7 +198,7 @@ def _cases() -> list[Case]:
             timeout_s=1.5,
         ),
         lambda r, ctx: _all(
-            (r.status is Outcome.TIMEOUT and r.timed_out, f"status {r.status}"),
+            (r.status is RunStatus.TIMEOUT and r.timed_out, f"status {r.status}"),
             (r.duration_s < 1.5 + 2, f"killed after {r.duration_s:.2f} s"),
         ),
     )
@@ -207,7 +207,7 @@ def _cases() -> list[Case]:
         "spin on the CPU",
         lambda ctx: py("while True:\n    pass\n", timeout_s=1.5),
         lambda r, ctx: _all(
-            (r.status is Outcome.TIMEOUT, f"status {r.status}"),
+            (r.status is RunStatus.TIMEOUT, f"status {r.status}"),
             (r.duration_s < 1.5 + 2, f"killed after {r.duration_s:.2f} s"),
         ),
     )
@@ -255,7 +255,7 @@ attempt('dotdot', lambda: open('../../../../..' + {ctx.canary_file!r}).read())
         ),
         lambda r, ctx: _all(
             _no_canary(r, ctx),
-            (r.status is Outcome.OK, f"status {r.status}"),
+            (r.status is RunStatus.OK, f"status {r.status}"),
             (
                 "NATS" not in r.stdout_text and "HF_TOKEN" not in r.stdout_text,
                 "host env vars visible",
@@ -346,7 +346,7 @@ os.kill(-1, signal.SIGKILL)
 """),
         lambda r, ctx: _all(
             (
-                r.status is Outcome.NONZERO_EXIT and r.exit_code == 137,
+                r.status is RunStatus.NONZERO_EXIT and r.exit_code == 137,
                 f"status {r.status} {r.exit_code}",
             ),
             ("killed 1" not in r.stdout_text, "killed PID 1"),
@@ -384,7 +384,7 @@ attempt('parent-mem', lambda: open(f'/proc/{ppid}/mem', 'r+b'))
         ),
         lambda r, ctx: _all(
             (
-                r.status is Outcome.NONZERO_EXIT and r.exit_code == 137,
+                r.status is RunStatus.NONZERO_EXIT and r.exit_code == 137,
                 f"status {r.status} {r.exit_code}",
             ),
             (r.duration_s < 5, f"took {r.duration_s:.1f} s"),
@@ -404,7 +404,7 @@ attempt('parent-mem', lambda: open(f'/proc/{ppid}/mem', 'r+b'))
             timeout_s=5,
         ),
         lambda r, ctx: _all(
-            (r.status is Outcome.OK and "started" in r.stdout_text, f"status {r.status}"),
+            (r.status is RunStatus.OK and "started" in r.stdout_text, f"status {r.status}"),
             (r.duration_s < 4, f"took {r.duration_s:.1f} s: the task waited for its daemons"),
         ),
     )
@@ -415,7 +415,7 @@ attempt('parent-mem', lambda: open(f'/proc/{ppid}/mem', 'r+b'))
             "import os\nos.write(1, bytes(range(256)) * 4 + b'\\xff\\xfe\\x00\\xc3(')\n"
         ),
         lambda r, ctx: _all(
-            (r.status is Outcome.OK, f"status {r.status}"),
+            (r.status is RunStatus.OK, f"status {r.status}"),
             (r.stdout == bytes(range(256)) * 4 + b"\xff\xfe\x00\xc3(", "bytes changed"),
             (isinstance(r.stdout_text, str), "no text"),
         ),
@@ -426,13 +426,13 @@ attempt('parent-mem', lambda: open(f'/proc/{ppid}/mem', 'r+b'))
         lambda ctx: py(
             "import sys\nprint(len(sys.stdin.buffer.read()))\n", stdin=b"x" * 20_000_000
         ),
-        lambda r, ctx: _all((r.status is Outcome.INPUT_TOO_LARGE, f"status {r.status}")),
+        lambda r, ctx: _all((r.status is RunStatus.INPUT_TOO_LARGE, f"status {r.status}")),
     )
     add(
         "huge_argv",
         "a 300 kB argument",
         lambda ctx: py("print(1)\n", argv_extra=("y" * 300_000,)),
-        lambda r, ctx: _all((r.status is Outcome.INPUT_TOO_LARGE, f"status {r.status}")),
+        lambda r, ctx: _all((r.status is RunStatus.INPUT_TOO_LARGE, f"status {r.status}")),
     )
     add(
         "engine_socket",

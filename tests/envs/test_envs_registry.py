@@ -167,3 +167,11 @@ def test_entry_points_in_the_reinforge_envs_group_are_registered(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "entry_points", fake_entry_points)
     reg = DomainRegistry.default()
     assert "echo" in reg.names() and reg.get("echo").description == "repeat the prompt"
+
+
+def test_a_verdict_holds_the_bus_outcome_and_check_so_a_scored_rollout_takes_them_as_they_are():
+    from reinforge.core import messages as m
+
+    v = Verdict(reward=1.0, outcome="pass", checks=[Check(name="answer_matches", passed=True)])
+    assert v.outcome is m.Outcome.PASS
+    assert Check is m.Check

@@ -9,7 +9,7 @@ import trio
 
 from reinforge.envs.sandbox import (
     LimitMechanism,
-    Outcome,
+    RunStatus,
     Sandbox,
     SandboxConfig,
     SandboxInfraError,
@@ -33,7 +33,7 @@ def test_files_stdin_env_and_exit_code_come_through(box):
         }
     )
     r = box.run(["python3", "main.py"], stdin=b"hello", env={"X": "y"})
-    assert r.exit_code == 3 and r.status is Outcome.NONZERO_EXIT
+    assert r.exit_code == 3 and r.status is RunStatus.NONZERO_EXIT
     assert r.stdout == b"HELLO y\n" and r.stderr == b""
     assert r.duration_s > 0 and not r.timed_out and not r.output_truncated
 
@@ -53,7 +53,7 @@ def test_candidate_runs_unprivileged_with_no_capabilities(box):
 
 def test_timeout_kills_the_whole_container_and_marks_it_unhealthy(box):
     r = box.run(["sh", "-c", "sleep 100 & sleep 100"], timeout_s=1)
-    assert r.status is Outcome.TIMEOUT and r.timed_out and r.exit_code == 137
+    assert r.status is RunStatus.TIMEOUT and r.timed_out and r.exit_code == 137
     assert 1 <= r.duration_s < 4
     assert not box.healthy
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from reinforge.envs.sandbox import Outcome, Sandbox, SandboxConfig
+from reinforge.envs.sandbox import RunStatus, Sandbox, SandboxConfig
 from reinforge.envs.sandbox_batch import Task, can_batch, run_batch
 from reinforge.envs.sandbox_pool import Job, PoolConfig, SandboxPool
 
@@ -43,7 +43,7 @@ def test_each_task_of_a_batch_starts_clean_and_sees_only_its_own_input(box):
         files={"s.py": SNOOP}, argv=["python3", "s.py"], stdin=b"in%d" % i, env={"MINE": str(i)}
     )
     results = run_batch(box, [litter, snoop(1), litter, snoop(2)])
-    assert [r.status for r in results] == [Outcome.OK] * 4
+    assert [r.status for r in results] == [RunStatus.OK] * 4
     assert results[0].stdout == b"ok\n"
     assert results[1].stdout_text.strip() == "['/work/s.py'] [] [] in1 1"
     assert results[3].stdout_text.strip() == "['/work/s.py'] [] [] in2 2"
@@ -57,7 +57,7 @@ def test_a_timeout_in_a_batch_ends_that_task_and_leaves_the_rest_unrun(box):
     ]
     first, second, third = run_batch(box, tasks)
     assert first.stdout == b"first\n" and first.ok
-    assert second.status is Outcome.TIMEOUT and 1 <= second.duration_s < 3
+    assert second.status is RunStatus.TIMEOUT and 1 <= second.duration_s < 3
     assert third is None and not box.healthy
 
 
@@ -104,7 +104,7 @@ def test_the_pool_batches_waiting_jobs_and_gets_every_result_right(podman_url):
     out, stats = trio.run(main)
     for i, r in enumerate(out):
         if i == 5:
-            assert r.status is Outcome.TIMEOUT
+            assert r.status is RunStatus.TIMEOUT
         else:
             assert (r.exit_code, r.stdout) == (i % 3, f"{i}\n".encode()), i
     assert stats.batched_jobs > stats.batches, "no job was batched"

@@ -12,7 +12,7 @@ import uuid
 import pytest
 import trio
 
-from reinforge.envs.sandbox import Outcome, SandboxConfig, connect
+from reinforge.envs.sandbox import RunStatus, SandboxConfig, connect
 from reinforge.envs.sandbox_pool import Job, PoolConfig, SandboxPool
 from reinforge.envs.sandbox_selftest import CASE_NAMES, run_selftest
 
@@ -62,7 +62,7 @@ def test_killing_everything_in_one_sandbox_leaves_a_concurrent_sandbox_running(p
             return out
 
     out = trio.run(main)
-    assert out["steady"].stdout == b"survived\n" and out["steady"].status is Outcome.OK
+    assert out["steady"].stdout == b"survived\n" and out["steady"].status is RunStatus.OK
     assert out["killer"].exit_code == 137
 
 
@@ -108,8 +108,8 @@ def test_a_fork_bomb_does_not_take_the_process_budget_of_a_concurrent_sandbox(po
             return out
 
     out = trio.run(main)
-    assert out["bomb"].status is Outcome.TIMEOUT
-    assert out["spawner"].status is Outcome.OK and out["spawner"].stdout == b"spawned\n"
+    assert out["bomb"].status is RunStatus.TIMEOUT
+    assert out["spawner"].status is RunStatus.OK and out["spawner"].stdout == b"spawned\n"
 
 
 def test_hostile_cases_are_contained_when_the_pool_batches_them_together(podman_url, tmp_path):

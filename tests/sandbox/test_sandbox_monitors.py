@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from reinforge.envs.sandbox import (
-    Outcome,
+    RunStatus,
     RunResult,
     Sandbox,
     SandboxConfig,
@@ -166,8 +166,8 @@ def test_conmon_and_candidate_processes_return_to_baseline_after_many_tasks_and_
     assert len(waiting) <= 6, waiting
     assert all(isinstance(r, RunResult) for r in results)
     statuses = [r.status for r in results]
-    assert statuses.count(Outcome.TIMEOUT) == 3 and statuses.count(Outcome.OK) == 18
-    assert statuses.count(Outcome.NONZERO_EXIT) == 2
+    assert statuses.count(RunStatus.TIMEOUT) == 3 and statuses.count(RunStatus.OK) == 18
+    assert statuses.count(RunStatus.NONZERO_EXIT) == 2
     assert stats.sandboxes_replaced >= 3 and stats.infra_failures == 0
     ids = {box._container.id for box in started}
     retired = ids - live

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from reinforge.envs.sandbox import Outcome, RunResult, SandboxConfig
+from reinforge.envs.sandbox import RunStatus, RunResult, SandboxConfig
 from reinforge.envs.sandbox_pool import InfraFailure, Job, PoolConfig, SandboxPool
 
 pytestmark = pytest.mark.podman
@@ -70,7 +70,7 @@ def test_a_sandbox_that_timed_out_is_replaced_and_the_next_job_runs(podman_url):
             return slow, fine, pool.statistics()
 
     slow, fine, stats = run(main)
-    assert slow.status is Outcome.TIMEOUT
+    assert slow.status is RunStatus.TIMEOUT
     assert fine.ok
     assert stats.sandboxes_replaced == 1
 

@@ -17,7 +17,7 @@ from reinforge.envs.sandbox import (
     LABELS_ENV,
     PROTECTED_SHELL,
     LimitMechanism,
-    Outcome,
+    RunStatus,
     Sandbox,
     SandboxConfig,
     _frames,
@@ -173,7 +173,7 @@ def test_each_tasks_output_and_status_are_cut_at_its_markers_however_the_stream_
 
 
 @pytest.mark.parametrize(
-    ("ran_s", "status"), [(1.99, Outcome.TIMEOUT), (1.0, Outcome.NONZERO_EXIT)]
+    ("ran_s", "status"), [(1.99, RunStatus.TIMEOUT), (1.0, RunStatus.NONZERO_EXIT)]
 )
 @pytest.mark.parametrize("batched", [False, True], ids=["single", "batch"])
 def test_a_sigkill_at_the_deadline_is_a_timeout_in_a_batch_as_in_a_single_run(
@@ -188,4 +188,4 @@ def test_a_sigkill_at_the_deadline_is_a_timeout_in_a_batch_as_in_a_single_run(
         box = fake_box(monkeypatch, [Played(ran_s=ran_s, status=137)])
         result = box.run_task({}, ["spin"])
     assert (result.status, result.exit_code) == (status, 137)
-    assert result.timed_out is (status is Outcome.TIMEOUT)
+    assert result.timed_out is (status is RunStatus.TIMEOUT)
