@@ -101,7 +101,7 @@ async def _eval(args: argparse.Namespace, domains: list[str], samples: int, held
     from reinforge.rl.evalsets import build_heldout, check_contamination
     from reinforge.actors.evaluator import ServerSource, evaluate_sets
     from reinforge.engine.tokenizer import load_tokenizer
-    from reinforge.actors.rollout_client import RolloutClient, RolloutServerUnavailable
+    from reinforge.rollout.client import RolloutClient, RolloutServerUnavailable
     from reinforge.envs.domain import DomainRegistry
 
     from reinforge.cli import UserError
@@ -166,9 +166,9 @@ async def _eval(args: argparse.Namespace, domains: list[str], samples: int, held
 
 
 def _start_server(args: argparse.Namespace) -> Any:
-    from reinforge.actors.rollout_server import SamplerConfig, ServerProcess
+    from reinforge.rollout.server import ServerProcess, ServerSpec
 
-    cfg = SamplerConfig(model_path=args.model, server_args=list(args.server_arg))
+    cfg = ServerSpec(model_path=args.model, server_args=list(args.server_arg))
     server = ServerProcess(cfg, Path(tempfile.mkdtemp(prefix="rf-eval-")) / "server.log")
     server.start()
     return server

@@ -119,7 +119,7 @@ async def evaluate_sets(
 
     A task the server refuses (4xx: e.g. its prompt is longer than the model's context)
     counts as `samples` failures and is reported in `rejected_tasks`."""
-    from reinforge.actors.rollout_client import RolloutRequestError
+    from reinforge.rollout.client import RolloutRequestError
     from reinforge.core.bus import collapse_single_exception
 
     limiter = trio.CapacityLimiter(concurrency)
@@ -381,8 +381,8 @@ class Evaluator(Actor):
 
     async def source_for(self, msg: WeightsPublished) -> CompletionSource:
         """A completion source serving `msg.version` (starts/loads the eval server)."""
-        from reinforge.actors.rollout_client import RolloutClient
-        from reinforge.actors.rollout_server import SamplerConfig, ServerProcess
+        from reinforge.rollout.client import RolloutClient
+        from reinforge.rollout.server import ServerProcess, ServerSpec
 
         cfg: EvaluatorConfig = self.config
         if not Path(msg.path).is_dir():
@@ -391,8 +391,8 @@ class Evaluator(Actor):
         if self.client is None:
             url = cfg.server_url
             if not url:
-                scfg = SamplerConfig(model_path=msg.path, initial_version=msg.version,
-                                     server_args=list(cfg.server_args))
+                scfg = ServerSpec(model_path=msg.path, initial_version=msg.version,
+                                   server_args=list(cfg.server_args))
                 log = Path(tempfile.mkdtemp(prefix="rf-eval-")) / "server.log"
                 self.server = ServerProcess(scfg, log)
                 self.server.start()

@@ -38,8 +38,7 @@ from typing import Any
 import msgspec
 import trio
 
-from reinforge.actors.rollout_server import SamplerConfig, ServerProcess, server_command  # noqa: F401 - re-exported
-from reinforge.actors.rollout_client import (
+from reinforge.rollout.client import (
     RolloutClient,
     RolloutRequestError,
     RolloutServerUnavailable,
@@ -47,6 +46,7 @@ from reinforge.actors.rollout_client import (
     parse_weight_version,
 )
 from reinforge.rl.prompts import task_prompt_ids
+from reinforge.rollout.server import BACKENDS, ServerProcess, ServerSpec
 from reinforge.actors.sandboxing import hold_sandbox_runner, sandbox_labels
 from reinforge.core import subjects
 from reinforge.engine.tokenizer import load_tokenizer
@@ -121,6 +121,59 @@ class GenerationGate:
 
 
 # ----------------------------------------------------------------------------- server process
+
+
+class SamplerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    backend: str = "embedded"
+    """"embedded" (`reinforge serve`) or "sglang" (`python -m sglang.launch_server`)."""
+    url: str = ""
+    """Rollout server to use; "" = start one (needs `model_path`)."""
+    model_path: str = ""
+    """Model directory (Hugging Face format) to serve, and the default tokenizer."""
+    tokenizer_path: str = ""
+    """Tokenizer directory; "" = model_path, else the server's /model_info tokenizer_path."""
+    initial_version: int = 0
+    """Policy version of `model_path` (the server is started with --weight-version N);
+    a server that reports "default" is taken to serve this version."""
+    server_args: list[str] = []
+    """Extra command-line arguments for the server this sampler starts."""
+    server_start_timeout_s: float = 300.0
+    """How long a started server may take to answer /health."""
+    domains: list[str] = []
+    """Task domains to take; [] = all (one input on task.*)."""
+    concurrency: int = 4
+    """Tasks (groups) being sampled at once."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    """Per sample (single-turn) or per turn (multi-turn)."""
+    stop: list[str] = []
+    """Stop strings (single-turn)."""
+    chat_template: bool = True
+    """Wrap the task prompt in the tokenizer's chat template (when it has one)."""
+    request_timeout_s: float = 300.0
+    """One /generate call, all G samples."""
+    ack_wait_s: float = 600.0
+    """Lease on a task: generation plus a possible weights reload."""
+    sandbox: bool = True
+    """Open a sandbox pool for multi-turn domains that need one (terminal)."""
+    sandbox_pool_size: int = 1
+    weights_poll_s: float = 10.0
+    """Re-read the newest stored weights message this often (a missed core message)."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"SamplerConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if not self.url and not self.model_path:
+            raise ValueError("SamplerConfig: set `url` (a running server) or `model_path`")
+        if self.concurrency < 1 or self.max_new_tokens < 1:
+            raise ValueError("SamplerConfig.concurrency and max_new_tokens must be >= 1")
+
+    def server_spec(self) -> ServerSpec:
+        """The rollout server this sampler starts when it has no `url`."""
+        return ServerSpec(backend=self.backend, model_path=self.model_path,
+                          initial_version=self.initial_version, server_args=self.server_args)
 
 
 class EpisodeTrace(msgspec.Struct, kw_only=True):
@@ -215,7 +268,7 @@ class SamplerActor(Actor):
         # is given; else the sampler starts one of its own.
         url = cfg.url or os.environ.get("REINFORGE_ROLLOUT_URL", "")
         if not url:
-            self.server = ServerProcess(cfg, Path(self._tmp) / "server.log")
+            self.server = ServerProcess(cfg.server_spec(), Path(self._tmp) / "server.log")
             self.server.start()
             with self.ctx.waiting("rollout server start", deadline_s=cfg.server_start_timeout_s):
                 url = await self.server.wait_url(cfg.server_start_timeout_s)

@@ -41,8 +41,8 @@ from reinforge.rl.curriculum import (
     updated_signal_rate,
 )
 from reinforge.actors.learner import LearnerConfig, prepare_samples, sample_is_valid
-from reinforge.actors.rollout_client import RolloutClient, parse_weight_version
-from reinforge.actors.rollout_server import SamplerConfig, ServerProcess
+from reinforge.rollout.client import RolloutClient, parse_weight_version
+from reinforge.rollout.server import ServerProcess, ServerSpec
 from reinforge.rl.prompts import task_prompt_ids
 from reinforge.actors.scheduler import SchedulerConfig
 from reinforge.rl.trainer import Trainer
@@ -73,13 +73,12 @@ async def run_sync(sft: Path, domains: list[str], settings: SyncSettings, work_d
     from reinforge.envs.sandbox_pool import PoolConfig
 
     registry = DomainRegistry.default()
-    sampler_cfg = SamplerConfig(model_path=str(sft), max_new_tokens=settings.max_new_tokens)
-    server = ServerProcess(sampler_cfg, work_dir / "rollout-server.log")
+    server = ServerProcess(ServerSpec(model_path=str(sft)), work_dir / "rollout-server.log")
     server.start()
     pool = PoolConfig(size=settings.sandbox_pool_size,
                       sandbox=SandboxConfig(labels={"reinforge.run": work_dir.name}))
     try:
-        url = await server.wait_url(sampler_cfg.server_start_timeout_s)
+        url = await server.wait_url(300.0)
         async with RolloutClient(url) as client, sandbox_runner(pool) as runner:
             doms = {}
             for name in domains:

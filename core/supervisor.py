@@ -23,7 +23,8 @@ from typing import Any
 
 import trio
 
-from reinforge.cli import reinforge_argv, serve_argv
+from reinforge.cli import reinforge_argv
+from reinforge.rollout.command import serve_argv
 from reinforge.core import paths, subjects
 from reinforge.core.atomic import write_json_atomic
 from reinforge.core.bus import Bus, open_bus

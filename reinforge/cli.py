@@ -12,7 +12,6 @@ import argparse
 import importlib
 import os
 import sys
-from collections.abc import Sequence
 
 # Named by string so that this dispatcher, not `core`, knows about every layer.
 COMMAND_MODULES = (
@@ -32,22 +31,6 @@ def reinforge_argv(*args: str) -> list[str]:
     `-P` so the child's working directory never lands on `sys.path` (from a checkout, the
     folder `kernels/` there would shadow the `kernels` distribution transformers imports)."""
     return [sys.executable, "-P", "-m", "reinforge", *args]
-
-
-def serve_argv(model: str, *, port: int = 0, port_file: str = "",
-               weight_version: int | str | None = None, kv_cache_dtype: str = "",
-               extra: Sequence[str] = ()) -> list[str]:
-    """The command that starts `reinforge serve` as a child process (the supervisor's
-    rollout server, a sampler's or an evaluator's own): the one place outside
-    `reinforge.engine.cli` that spells its flags."""
-    argv = reinforge_argv("serve", "--model", model, "--port", str(port))
-    if port_file:
-        argv += ["--port-file", port_file]
-    if kv_cache_dtype:
-        argv += ["--kv-cache-dtype", kv_cache_dtype]
-    if weight_version is not None:
-        argv += ["--weight-version", str(weight_version)]
-    return [*argv, *extra]
 
 
 class UserError(Exception):

@@ -31,11 +31,11 @@ def server_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     import subprocess
     import time
 
-    from reinforge.actors.rollout_server import SamplerConfig, server_command
+    from reinforge.rollout.server import ServerSpec, server_command
 
     where = tmp_path_factory.mktemp("srv")
-    cfg = SamplerConfig(model_path=str(tiny_model_dir), initial_version=0,
-                        server_args=["--max-total-tokens", "8192"])
+    cfg = ServerSpec(model_path=str(tiny_model_dir), initial_version=0,
+                     server_args=["--max-total-tokens", "8192"])
     argv = server_command(cfg, str(where / "port"))
     log = open(where / "server.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)

@@ -18,8 +18,7 @@ from reinforge.rl.evalsets import HeldOutConfig
 from reinforge.actors.evaluator import Evaluator, EvaluatorConfig
 from reinforge.actors.learner import Learner, LearnerConfig
 from reinforge.actors.monitor import Monitor, MonitorConfig
-from reinforge.actors.rollout_server import SamplerConfig
-from reinforge.actors.sampler import SamplerActor
+from reinforge.actors.sampler import SamplerActor, SamplerConfig
 from reinforge.actors.scheduler import Scheduler, SchedulerConfig
 from reinforge.actors.verifier import VerifierActor, VerifierConfig
 from reinforge.core import messages as m

@@ -12,7 +12,7 @@ import pytest
 import trio
 import trio.testing
 from transformers import AutoTokenizer
-from reinforge.actors.rollout_client import (
+from reinforge.rollout.client import (
     RolloutClient,
     RolloutRequestError,
     RolloutServerUnavailable,
@@ -20,7 +20,8 @@ from reinforge.actors.rollout_client import (
     parse_weight_version,
 )
 from reinforge.rl.prompts import task_prompt_ids
-from reinforge.actors.sampler import GenerationGate, SamplerActor, SamplerConfig, server_command
+from reinforge.actors.sampler import GenerationGate, SamplerActor, SamplerConfig
+from reinforge.rollout.server import server_command
 from reinforge.rl.sft import Demo, encode_demo
 from reinforge.core import messages as m
 from reinforge.core import subjects
@@ -80,10 +81,10 @@ def test_a_sampler_config_needs_a_server_or_a_model_and_a_known_backend():
         SamplerConfig()
     with pytest.raises(ValueError, match="backend"):
         SamplerConfig(url="http://x", backend="vllm")
-    cmd = server_command(SamplerConfig(model_path="/m", initial_version=3), "/tmp/p")
+    cmd = server_command(SamplerConfig(model_path="/m", initial_version=3).server_spec(), "/tmp/p")
     assert cmd[1:5] == ["-P", "-m", "reinforge", "serve"]
     assert cmd[cmd.index("--weight-version") + 1] == "3"
-    sg = server_command(SamplerConfig(model_path="/m", backend="sglang"), "/tmp/p")
+    sg = server_command(SamplerConfig(model_path="/m", backend="sglang").server_spec(), "/tmp/p")
     assert sg[1:3] == ["-m", "sglang.launch_server"] and "--model-path" in sg
 
 
@@ -423,4 +424,4 @@ def test_a_terminal_task_runs_as_a_multi_turn_episode_in_the_sandbox(
 
 
 def test_the_module_runs_under_the_same_python():
-    assert server_command(SamplerConfig(model_path="/m"), "/p")[0] == sys.executable
+    assert server_command(SamplerConfig(model_path="/m").server_spec(), "/p")[0] == sys.executable

@@ -62,3 +62,11 @@ def test_the_rl_algorithm_imports_no_messaging_and_no_actor():
                 offenders.append(f"rl/{path.name} imports {mod}")
     assert sorted(p.stem for p in (ROOT / "reinforge" / "rl").glob("*.py")) != []
     assert offenders == []
+
+
+def test_the_rollout_package_imports_no_actor():
+    """The supervisor (core) starts the rollout server through reinforge.rollout."""
+    offenders = [f"rollout/{path.name} imports {mod}"
+                 for path in sorted((ROOT / "reinforge" / "rollout").glob("*.py"))
+                 for mod in imported_modules(path) if mod.startswith("reinforge.actors")]
+    assert offenders == []

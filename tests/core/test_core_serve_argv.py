@@ -2,7 +2,8 @@
 
 import sys
 
-from reinforge.cli import build_parser, serve_argv
+from reinforge.cli import build_parser
+from reinforge.rollout.command import serve_argv
 
 
 def parsed(argv: list[str]):

@@ -1,6 +1,5 @@
-"""The rollout server process a sampler or evaluator starts and owns: `reinforge serve` or
-SGLang's `launch_server`, on a free port, dying with its parent. `SamplerConfig` lives here
-because it describes that server; the sampler actor and the evaluator both use it.
+"""The rollout server process a sampler, an evaluator or a benchmark starts and owns:
+`reinforge serve` or SGLang's `launch_server`, on a free port, dying with its parent.
 """
 
 from __future__ import annotations
@@ -14,64 +13,35 @@ from pathlib import Path
 import msgspec
 import trio
 
-from reinforge.actors.rollout_client import RolloutClient
-from reinforge.cli import serve_argv
+from reinforge.rollout.client import RolloutClient
+from reinforge.rollout.command import serve_argv
 
 
-class SamplerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class ServerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Which rollout server to start."""
+
     backend: str = "embedded"
     """"embedded" (`reinforge serve`) or "sglang" (`python -m sglang.launch_server`)."""
-    url: str = ""
-    """Rollout server to use; "" = start one (needs `model_path`)."""
-    model_path: str = ""
-    """Model directory (Hugging Face format) to serve, and the default tokenizer."""
-    tokenizer_path: str = ""
-    """Tokenizer directory; "" = model_path, else the server's /model_info tokenizer_path."""
+    model_path: str
+    """Model directory (Hugging Face format) to serve."""
     initial_version: int = 0
-    """Policy version of `model_path` (the server is started with --weight-version N);
-    a server that reports "default" is taken to serve this version."""
+    """Policy version of `model_path` (the server is started with --weight-version N)."""
     server_args: list[str] = []
-    """Extra command-line arguments for the server this sampler starts."""
-    server_start_timeout_s: float = 300.0
-    """How long a started server may take to answer /health."""
-    domains: list[str] = []
-    """Task domains to take; [] = all (one input on task.*)."""
-    concurrency: int = 4
-    """Tasks (groups) being sampled at once."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 128
-    """Per sample (single-turn) or per turn (multi-turn)."""
-    stop: list[str] = []
-    """Stop strings (single-turn)."""
-    chat_template: bool = True
-    """Wrap the task prompt in the tokenizer's chat template (when it has one)."""
-    request_timeout_s: float = 300.0
-    """One /generate call, all G samples."""
-    ack_wait_s: float = 600.0
-    """Lease on a task: generation plus a possible weights reload."""
-    sandbox: bool = True
-    """Open a sandbox pool for multi-turn domains that need one (terminal)."""
-    sandbox_pool_size: int = 1
-    weights_poll_s: float = 10.0
-    """Re-read the newest stored weights message this often (a missed core message)."""
+    """Extra command-line arguments for the server."""
 
     def __post_init__(self) -> None:
-        if self.backend not in ("embedded", "sglang"):
-            raise ValueError(
-                f"SamplerConfig.backend must be 'embedded' or 'sglang', got {self.backend!r}"
-            )
-        if not self.url and not self.model_path:
-            raise ValueError("SamplerConfig: set `url` (a running server) or `model_path`")
-        if self.concurrency < 1 or self.max_new_tokens < 1:
-            raise ValueError("SamplerConfig.concurrency and max_new_tokens must be >= 1")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+
+
+BACKENDS = ("embedded", "sglang")
 
 
 # ----------------------------------------------------------------------------- the gate
 
 
-def server_command(cfg: SamplerConfig, port_file: str) -> list[str]:
-    """The command line that starts this sampler's rollout server."""
+def server_command(cfg: ServerSpec, port_file: str) -> list[str]:
+    """The command line that starts this rollout server."""
     if cfg.backend == "embedded":
         return serve_argv(cfg.model_path, port_file=port_file,
                           weight_version=cfg.initial_version, extra=cfg.server_args)
@@ -96,9 +66,9 @@ def _free_port() -> int:
 
 
 class ServerProcess:
-    """A rollout server started (and stopped) by the sampler."""
+    """A rollout server started (and stopped) by its owner."""
 
-    def __init__(self, cfg: SamplerConfig, log_path: Path) -> None:
+    def __init__(self, cfg: ServerSpec, log_path: Path) -> None:
         self.cfg = cfg
         self.log_path = log_path
         self.port_file = str(log_path.with_suffix(".port"))

@@ -1,5 +1,5 @@
-"""One async HTTP client for the SGLang API subset (the endpoints engine/server.py serves), for SGLang and the
-embedded `reinforge serve` alike; it runs under trio (httpx on anyio).
+"""One async HTTP client for the SGLang API subset (the endpoints engine/server.py serves),
+for SGLang and the embedded `reinforge serve` alike; it runs under trio (httpx on anyio).
 
     async with RolloutClient("http://127.0.0.1:30000") as client:
         samples = await client.generate(input_ids=ids, sampling_params={"n": 4, ...})
