@@ -181,8 +181,8 @@ async def _with_sandbox(args: argparse.Namespace, doms: dict[str, Any], run: Any
     needs = [d for d, dom in doms.items() if dom.resource == "sandbox"]
     if not needs:
         return await run(doms)
-    from reinforge.envs.code_runner import RunnerInfraError, sandbox_runner
-    from reinforge.envs.sandbox_pool import PoolConfig
+    from reinforge.envs.sandbox.runner import RunnerInfraError, sandbox_runner
+    from reinforge.envs.sandbox.pool import PoolConfig
 
     try:
         async with sandbox_runner(PoolConfig(size=args.sandbox_pool_size)) as runner:

@@ -301,7 +301,7 @@ class Evaluator(Actor):
         needs = [d for d, dom in self.domains.items() if dom.resource == "sandbox"]
         if not needs:
             return
-        from reinforge.actors.sandboxing import hold_sandbox_runner
+        from reinforge.envs.sandbox.owned import hold_sandbox_runner
 
         def use(runner: Any, why: str) -> None:
             if runner is None:

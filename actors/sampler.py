@@ -47,7 +47,7 @@ from reinforge.rollout.client import (
 )
 from reinforge.rl.prompts import task_prompt_ids
 from reinforge.rollout.server import BACKENDS, ServerProcess, ServerSpec
-from reinforge.actors.sandboxing import hold_sandbox_runner, sandbox_labels
+from reinforge.envs.sandbox.owned import hold_sandbox_runner, sandbox_labels
 from reinforge.core import subjects
 from reinforge.engine.tokenizer import load_tokenizer
 from reinforge.core.actor import Actor, Input, Reject, Retry

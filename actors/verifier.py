@@ -15,7 +15,7 @@ never publishes an infra_error caused by its own shutdown: it naks the rollout i
 
 Concurrency: at most `concurrency` rollouts in the handler, and `ResourceLimits` bound the
 checks per scarce resource (sandbox slots, judge calls, cpu). Sandbox domains run on one
-Podman pool (`envs.code_runner.sandbox_runner`) owned by `main()`.
+Podman pool (`envs.sandbox.runner.sandbox_runner`) owned by `main()`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 import trio
 
-from reinforge.actors.sandboxing import hold_sandbox_runner, sandbox_labels
+from reinforge.envs.sandbox.owned import hold_sandbox_runner, sandbox_labels
 from reinforge.core import subjects
 from reinforge.core.actor import Actor, Input, Reject, Retry, Ticket
 from reinforge.core.messages import Check, Outcome, Rollout, ScoredRollout
@@ -81,7 +81,7 @@ class VerifierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 def resource_limits(config: VerifierConfig) -> dict[str, int]:
     """The configured limits, with `sandbox` defaulting to what the pool takes at once."""
-    from reinforge.envs.sandbox_pool import PoolConfig
+    from reinforge.envs.sandbox.pool import PoolConfig
 
     return {"sandbox": config.sandbox_pool_size * PoolConfig().max_batch,
             **config.resource_limits}
@@ -128,7 +128,7 @@ class VerifierActor(Actor):
 
         self.registry = DomainRegistry.default(config.extra_domains)
         if config.judge_url:
-            from reinforge.envs.judge_domain import JudgeConfig, JudgeDomain
+            from reinforge.envs.domains.judge import JudgeConfig, JudgeDomain
 
             self.registry.attach(JudgeDomain(config=JudgeConfig(judge_url=config.judge_url)))
         names = list(config.domains) or self.registry.names()

@@ -67,10 +67,10 @@ async def run_sync(sft: Path, domains: list[str], settings: SyncSettings, work_d
     figures of rl_throughput.window_figures (samples_per_s, generated_per_s, steps,
     learner_idle, stale_groups_dropped, cpu_busy, signal_share[/DOMAIN]), and each phase's
     share of the loop's time (phase_share/generate, verify, train, load_weights)."""
-    from reinforge.envs.code_runner import sandbox_runner
+    from reinforge.envs.sandbox.runner import sandbox_runner
     from reinforge.envs.domain import DomainRegistry, ResourceLimits
-    from reinforge.envs.sandbox import SandboxConfig
-    from reinforge.envs.sandbox_pool import PoolConfig
+    from reinforge.envs.sandbox.box import SandboxConfig
+    from reinforge.envs.sandbox.pool import PoolConfig
 
     registry = DomainRegistry.default()
     server = ServerProcess(ServerSpec(model_path=str(sft)), work_dir / "rollout-server.log")

@@ -25,8 +25,8 @@ import time
 
 import trio
 
-from reinforge.envs.sandbox import DEFAULT_IMAGE, default_podman_url, make_tar
-from reinforge.envs.sandbox_pool import InfraFailure, Job, PoolConfig, SandboxPool
+from reinforge.envs.sandbox.box import DEFAULT_IMAGE, default_podman_url, make_tar
+from reinforge.envs.sandbox.pool import InfraFailure, Job, PoolConfig, SandboxPool
 
 TESTS = """import unittest
 from sol import solve

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 def register(subparsers) -> None:
-    from reinforge.envs import domains_cli, sandbox_cli
+    from reinforge.envs import domains_cli
+    from reinforge.envs.sandbox import cli as sandbox_cli
 
     domains_cli.register(subparsers)
     sandbox_cli.register(subparsers)

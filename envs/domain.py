@@ -208,11 +208,11 @@ class ResourceLimits:
 
 # Built-in domains, by import spec, imported lazily so `envs list` stays cheap.
 BUILTIN_DOMAINS: tuple[tuple[str, str], ...] = (
-    ("math", "reinforge.envs.math_domain:MathDomain"),
-    ("code", "reinforge.envs.code_domain:CodeDomain"),
-    ("docqa", "reinforge.envs.docqa_domain:DocQADomain"),
-    ("terminal", "reinforge.envs.terminal_domain:TerminalDomain"),
-    ("judge", "reinforge.envs.judge_domain:JudgeDomain"),
+    ("math", "reinforge.envs.domains.math:MathDomain"),
+    ("code", "reinforge.envs.domains.code:CodeDomain"),
+    ("docqa", "reinforge.envs.domains.docqa:DocQADomain"),
+    ("terminal", "reinforge.envs.domains.terminal:TerminalDomain"),
+    ("judge", "reinforge.envs.domains.judge:JudgeDomain"),
 )
 
 

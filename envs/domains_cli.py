@@ -158,7 +158,7 @@ def cmd_verify(args) -> int:
     registry = _registry(args)
     domain = _get(registry, args.domain)
     if args.domain == "judge" and args.judge_url:
-        from reinforge.envs.judge_domain import JudgeConfig, JudgeDomain
+        from reinforge.envs.domains.judge import JudgeConfig, JudgeDomain
 
         domain = JudgeDomain(config=JudgeConfig(judge_url=args.judge_url))
     items = _load_rows(domain, args.file)
@@ -180,12 +180,12 @@ async def _verify_all(domain, items, args) -> dict[str, Any]:
     from reinforge.cli import UserError
 
     if hasattr(domain, "with_runner"):
-        from reinforge.envs.code_runner import RunnerInfraError, UnsafeLocalRunner, sandbox_runner
+        from reinforge.envs.sandbox.runner import RunnerInfraError, UnsafeLocalRunner, sandbox_runner
 
         if args.sandbox == "unsafe-local":
             return await _run(domain.with_runner(UnsafeLocalRunner()), items, args)
-        from reinforge.envs.sandbox import SandboxConfig
-        from reinforge.envs.sandbox_pool import PoolConfig
+        from reinforge.envs.sandbox.box import SandboxConfig
+        from reinforge.envs.sandbox.pool import PoolConfig
 
         cfg = PoolConfig(size=args.jobs, sandbox=SandboxConfig(timeout_s=30.0))
         try:

@@ -9,7 +9,7 @@
 # As an ordinary user: installs nothing; checks, configures that user's own Podman, starts the
 # service and builds the image, and says what is missing.
 #
-# Socket convention (read by reinforge.envs.sandbox.default_podman_url):
+# Socket convention (read by reinforge.envs.sandbox.box.default_podman_url):
 #   /run/user/<uid of the podman user>/podman/podman.sock  (REINFORGE_PODMAN_URL overrides)
 set -euo pipefail
 

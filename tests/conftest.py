@@ -86,7 +86,7 @@ def _drop_the_streams_a_test_made(request: pytest.FixtureRequest):
 
 @pytest.fixture(scope="session")
 def podman_url() -> str:
-    from reinforge.envs.sandbox import DEFAULT_IMAGE, SandboxInfraError, connect, default_podman_url
+    from reinforge.envs.sandbox.box import DEFAULT_IMAGE, SandboxInfraError, connect, default_podman_url
 
     url = default_podman_url()
     try:

@@ -46,7 +46,7 @@ def sweep_session(session: str) -> list[str]:
 
 
 def remove_session_containers(session: str) -> list[str]:
-    from reinforge.envs.sandbox import SandboxInfraError, connect, default_podman_url
+    from reinforge.envs.sandbox.box import SandboxInfraError, connect, default_podman_url
 
     try:
         client = connect(default_podman_url(), timeout_s=10)

@@ -60,7 +60,7 @@ def test_the_sweep_kills_the_processes_of_its_session_and_no_others():
 
 @pytest.mark.podman
 def test_the_sweep_removes_the_sandbox_containers_labelled_with_its_session(podman_url):
-    from reinforge.envs.sandbox import Sandbox, SandboxConfig, connect
+    from reinforge.envs.sandbox.box import Sandbox, SandboxConfig, connect
 
     box = Sandbox.start(SandboxConfig(podman_url=podman_url),
                         labels={SESSION_LABEL: "sweep-containers"})

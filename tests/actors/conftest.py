@@ -10,7 +10,7 @@ import pytest
 
 def run_sandboxes(run: str) -> list:
     """The sandbox containers (any state) labelled with this run."""
-    from reinforge.envs.sandbox import connect, default_podman_url
+    from reinforge.envs.sandbox.box import connect, default_podman_url
 
     client = connect(default_podman_url(), timeout_s=10)
     return client.containers.list(all=True, filters={"label": f"reinforge.run={run}"})

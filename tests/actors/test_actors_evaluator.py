@@ -307,7 +307,7 @@ def test_reinforge_eval_scores_a_hugging_face_checkpoint_offline(tiny_model_dir,
 
 
 def test_a_tier_drawn_from_a_small_bank_holds_out_only_its_cap_so_training_keeps_the_rest():
-    from reinforge.envs.code_domain import _BANK
+    from reinforge.envs.domains.code import _BANK
 
     reg = DomainRegistry.default()
     held = build_heldout(reg, ["code", "math"], HeldOutConfig(tasks_per_tier=20))

@@ -391,7 +391,7 @@ def test_a_terminal_task_runs_as_a_multi_turn_episode_in_the_sandbox(
     creds, run_name, tiny_model_dir, podman_url
 ):
     from reinforge.envs.domain import DomainRegistry
-    from reinforge.envs.terminal_domain import parse_commands
+    from reinforge.envs.domains.terminal import parse_commands
 
     spec = DomainRegistry.default().get("terminal").sample_task(random.Random(0), 0)
     task = m.Task(task_id="term0", domain="terminal", tier=0, prompt=spec.prompt,

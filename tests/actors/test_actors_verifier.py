@@ -21,7 +21,7 @@ from reinforge.core import subjects
 from reinforge.core.actor import run_actor
 from reinforge.core.bus import open_bus
 from reinforge.envs.domain import Check, DomainRegistry, Verdict
-from reinforge.envs.sandbox_pool import PoolConfig
+from reinforge.envs.sandbox.pool import PoolConfig
 
 VERIFIER = "reinforge.actors.verifier:VerifierActor"
 BAD = {
@@ -94,7 +94,7 @@ class SlowMath:
     """Test domain: math, but each check takes 4 s (longer than a short lease)."""
 
     def __new__(cls):
-        from reinforge.envs.math_domain import MathDomain
+        from reinforge.envs.domains.math import MathDomain
 
         class _Slow(MathDomain):
             name = "slowmath"
@@ -112,7 +112,7 @@ class FlakyMath:
     """Test domain: math whose first two checks of every rollout are infrastructure faults."""
 
     def __new__(cls):
-        from reinforge.envs.math_domain import MathDomain
+        from reinforge.envs.domains.math import MathDomain
 
         class _Flaky(MathDomain):
             name = "flakymath"

@@ -31,7 +31,7 @@ def test_core_imports_nothing_from_the_layers_above_it():
 def test_kernels_and_engine_do_not_import_actors():
     offenders = []
     for folder in ("kernels", "engine", "envs"):
-        for path in sorted((ROOT / folder).glob("*.py")):
+        for path in sorted((ROOT / folder).rglob("*.py")):
             for mod in imported_modules(path):
                 if mod.startswith("reinforge.actors"):
                     offenders.append(f"{folder}/{path.name} imports {mod}")

@@ -23,7 +23,7 @@ def test_a_built_wheel_installs_every_layer_under_one_package(tmp_path):
         "reinforge.envs.domain, reinforge.engine.server, reinforge.kernels.paged_kv, "
         "importlib.resources as r\n"
         "import reinforge.core.actor as a; print(a.__file__)\n"
-        "print(r.files('reinforge.envs').joinpath('code_harness.py').is_file())\n"
+        "print(r.files('reinforge.envs.domains').joinpath('code_harness.py').is_file())\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
                          text=True, env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},

@@ -17,7 +17,7 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 def podman_available() -> str | None:
     """None if the Podman API answers, else why not."""
     try:
-        from reinforge.envs.sandbox import connect
+        from reinforge.envs.sandbox.box import connect
 
         connect(timeout_s=5.0)
     except Exception as exc:  # noqa: BLE001 - any failure means "not available"
@@ -41,8 +41,8 @@ def with_runner(runner_kind):
     """`await with_runner(fn)`: call `fn(runner)` inside a trio context with the runner open."""
     from contextlib import asynccontextmanager
 
-    from reinforge.envs.code_runner import UnsafeLocalRunner, sandbox_runner
-    from reinforge.envs.sandbox_pool import PoolConfig
+    from reinforge.envs.sandbox.runner import UnsafeLocalRunner, sandbox_runner
+    from reinforge.envs.sandbox.pool import PoolConfig
 
     @asynccontextmanager
     async def open_runner():
@@ -58,8 +58,8 @@ def with_runner(runner_kind):
 @pytest.fixture
 def sandbox_runner_only():
     """Like `with_runner`, but only the real sandbox (for what only it can do)."""
-    from reinforge.envs.code_runner import sandbox_runner
-    from reinforge.envs.sandbox_pool import PoolConfig
+    from reinforge.envs.sandbox.runner import sandbox_runner
+    from reinforge.envs.sandbox.pool import PoolConfig
 
     why = podman_available()
     if why is not None:

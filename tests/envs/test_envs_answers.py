@@ -1,11 +1,11 @@
-"""The explicit answer-extraction rules of reinforge.envs.answers, one by one."""
+"""The explicit answer-extraction rules of reinforge.envs.domains.answers, one by one."""
 
 from fractions import Fraction
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from reinforge.envs.answers import (
+from reinforge.envs.domains.answers import (
     answers_match,
     boxed_contents,
     extract_final_answer,

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import trio
-from reinforge.envs.code_domain import CodeDomain, assemble_program
+from reinforge.envs.domains.code import CodeDomain, assemble_program
 from reinforge.envs.tasksets import TaskFileError
 
 PROMPT = 'def sort_desc(xs: list) -> list:\n    """Return xs sorted from largest to smallest."""\n'

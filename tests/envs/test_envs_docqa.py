@@ -6,7 +6,7 @@ import random
 import msgspec
 import pytest
 import trio
-from reinforge.envs.docqa_domain import DocQADomain, DocQASpec, token_f1
+from reinforge.envs.domains.docqa import DocQADomain, DocQASpec, token_f1
 from reinforge.envs.tasksets import TaskFileError
 
 

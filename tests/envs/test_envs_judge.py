@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import trio
-from reinforge.envs.judge_domain import (
+from reinforge.envs.domains.judge import (
     JudgeDomain,
     JudgeUnavailable,
     ModelItemJudge,

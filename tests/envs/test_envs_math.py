@@ -5,7 +5,7 @@ import random
 
 import pytest
 import trio
-from reinforge.envs.math_domain import MathDomain
+from reinforge.envs.domains.math import MathDomain
 from reinforge.envs.tasksets import TaskFileError
 
 

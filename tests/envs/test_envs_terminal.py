@@ -8,7 +8,7 @@ import random
 import pytest
 import trio
 from reinforge.envs.tasksets import TaskFileError
-from reinforge.envs.terminal_domain import TerminalDomain, parse_commands
+from reinforge.envs.domains.terminal import TerminalDomain, parse_commands
 
 FIX_ROW = {
     "instruction": "calc.py has a bug: fix it so that test_calc.py passes.",

@@ -7,7 +7,7 @@ import os
 import pytest
 import trio
 
-from reinforge.envs.sandbox import (
+from reinforge.envs.sandbox.box import (
     LimitMechanism,
     RunStatus,
     Sandbox,

@@ -1,13 +1,13 @@
-"""Several tasks in one exec (sandbox_batch.py): each as isolated as a task of its own."""
+"""Several tasks in one exec (envs/sandbox/batch.py): each as isolated as a task of its own."""
 
 from __future__ import annotations
 
 import pytest
 import trio
 
-from reinforge.envs.sandbox import RunStatus, Sandbox, SandboxConfig
-from reinforge.envs.sandbox_batch import Task, can_batch, run_batch
-from reinforge.envs.sandbox_pool import Job, PoolConfig, SandboxPool
+from reinforge.envs.sandbox.box import RunStatus, Sandbox, SandboxConfig
+from reinforge.envs.sandbox.batch import Task, can_batch, run_batch
+from reinforge.envs.sandbox.pool import Job, PoolConfig, SandboxPool
 
 pytestmark = pytest.mark.podman
 

@@ -1,4 +1,4 @@
-"""The hostile suite (envs/sandbox_selftest.py) against real rootless Podman: every case
+"""The hostile suite (envs/sandbox/selftest.py) against real rootless Podman: every case
 contained, the host unchanged (canary secrets, a listening host port, no leftover containers),
 the next task on the same sandbox clean."""
 
@@ -12,9 +12,9 @@ import uuid
 import pytest
 import trio
 
-from reinforge.envs.sandbox import RunStatus, SandboxConfig, connect
-from reinforge.envs.sandbox_pool import Job, PoolConfig, SandboxPool
-from reinforge.envs.sandbox_selftest import CASE_NAMES, run_selftest
+from reinforge.envs.sandbox.box import RunStatus, SandboxConfig, connect
+from reinforge.envs.sandbox.pool import Job, PoolConfig, SandboxPool
+from reinforge.envs.sandbox.selftest import CASE_NAMES, run_selftest
 
 pytestmark = pytest.mark.podman
 
@@ -113,7 +113,7 @@ def test_a_fork_bomb_does_not_take_the_process_budget_of_a_concurrent_sandbox(po
 
 
 def test_hostile_cases_are_contained_when_the_pool_batches_them_together(podman_url, tmp_path):
-    from reinforge.envs.sandbox_selftest import CASES, HostCanaries
+    from reinforge.envs.sandbox.selftest import CASES, HostCanaries
 
     canaries = HostCanaries(str(tmp_path))
     try:

@@ -15,7 +15,7 @@ import time
 import pytest
 import trio
 
-from reinforge.envs.sandbox import (
+from reinforge.envs.sandbox.box import (
     RunStatus,
     RunResult,
     Sandbox,
@@ -23,7 +23,7 @@ from reinforge.envs.sandbox import (
     exec_monitors,
     reap_exec_monitors,
 )
-from reinforge.envs.sandbox_pool import Job, PoolConfig, SandboxPool
+from reinforge.envs.sandbox.pool import Job, PoolConfig, SandboxPool
 
 
 def conmon_pids(container_ids: set[str] | None = None) -> list[int]:
@@ -187,6 +187,6 @@ def test_conmon_and_candidate_processes_return_to_baseline_after_many_tasks_and_
 
 
 def foreign_containers(podman_url: str) -> set[str]:
-    from reinforge.envs.sandbox import connect
+    from reinforge.envs.sandbox.box import connect
 
     return {c.id for c in connect(podman_url).containers.list(all=True)}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import trio
 
-from reinforge.envs.sandbox import RunStatus, RunResult, SandboxConfig
-from reinforge.envs.sandbox_pool import InfraFailure, Job, PoolConfig, SandboxPool
+from reinforge.envs.sandbox.box import RunStatus, RunResult, SandboxConfig
+from reinforge.envs.sandbox.pool import InfraFailure, Job, PoolConfig, SandboxPool
 
 pytestmark = pytest.mark.podman
 

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import pytest
 
-from reinforge.envs.sandbox import (
+from reinforge.envs.sandbox.box import (
     LABELS_ENV,
     PROTECTED_SHELL,
     LimitMechanism,
@@ -25,8 +25,8 @@ from reinforge.envs.sandbox import (
     labels_from_env,
     make_tar,
 )
-from reinforge.envs.sandbox_batch import Task, run_batch
-from reinforge.envs.sandbox_pool import Job, PoolConfig
+from reinforge.envs.sandbox.batch import Task, run_batch
+from reinforge.envs.sandbox.pool import Job, PoolConfig
 
 
 def test_config_rejects_nonsense_limits_naming_the_field():

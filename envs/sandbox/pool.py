@@ -13,7 +13,7 @@ Invariants:
   - `size` workers, one sandbox each at a time: at most `size` sandboxes run jobs at once;
     callers beyond that wait in a queue;
   - a worker runs its job, plus up to max_batch - 1 small jobs already waiting, in one exec
-    (sandbox_batch.py) when the image has the protected wrapper: one after another, each with
+    (batch.py) when the image has the protected wrapper: one after another, each with
     its own checked reset (all candidate processes killed, all writable dirs wiped), limits and
     deadline; jobs a dying sandbox did not get to go back to the queue;
   - a sandbox that timed out, flooded, failed its reset or errored is closed and replaced in
@@ -36,7 +36,7 @@ import time
 import msgspec
 import trio
 
-from reinforge.envs.sandbox import (
+from reinforge.envs.sandbox.box import (
     MAX_INLINE_BYTES,
     CANDIDATE_UID_BASE,
     CANDIDATE_UID_SPAN,
@@ -48,7 +48,7 @@ from reinforge.envs.sandbox import (
     connect,
     limit_mechanism,
 )
-from reinforge.envs.sandbox_batch import Task, can_batch, inline_size, run_tasks
+from reinforge.envs.sandbox.batch import Task, can_batch, inline_size, run_tasks
 
 
 class Job(msgspec.Struct, frozen=True, kw_only=True):
@@ -133,7 +133,7 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Latest job latencies kept for the p50/p95 figures."""
     max_batch: int = 4
     """Most small jobs one sandbox runs in one exec when they are waiting together (each with
-    its own reset, limits and deadline; see sandbox_batch.py); 1 disables batching."""
+    its own reset, limits and deadline; see batch.py); 1 disables batching."""
 
     def __post_init__(self) -> None:
         if self.size < 1:

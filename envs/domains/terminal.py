@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
-from reinforge.envs.code_runner import CodeRunner, RunnerInfraError
+from reinforge.envs.sandbox.runner import CodeRunner, RunnerInfraError
 from reinforge.envs.domain import Check, TaskSpec, Tier, Verdict, check_tier, infra_error
 from reinforge.envs.tasksets import decode_row, load_jsonl
 

@@ -5,7 +5,7 @@ of the harness logic, trusted inputs only) a plain local process.
         async def run(self, *, files, argv, stdin, timeout_s) -> RunOutput
             # raises RunnerInfraError when the infrastructure (not the candidate) failed
 
-`PoolRunner` wraps reinforge.envs.sandbox_pool.SandboxPool: open it with
+`PoolRunner` wraps reinforge.envs.sandbox.pool.SandboxPool: open it with
 `async with sandbox_runner(PoolConfig(...)) as runner:`. `UnsafeLocalRunner` runs the
 same job in a temporary directory on the host, WITHOUT isolation: never give it
 untrusted code; it exists so the harness's anti-gaming logic is tested on every
@@ -65,7 +65,7 @@ class PoolRunner:
     async def run(
         self, *, files: Mapping[str, bytes | str], argv: list[str], stdin: bytes, timeout_s: float
     ) -> RunOutput:
-        from reinforge.envs.sandbox_pool import InfraFailure, Job
+        from reinforge.envs.sandbox.pool import InfraFailure, Job
 
         job = Job(files=dict(files), argv=list(argv), stdin=stdin, timeout_s=timeout_s)
         result = await self.pool.run(job)
@@ -92,8 +92,8 @@ async def sandbox_runner(config=None) -> AsyncIterator[PoolRunner]:
 
     Raises RunnerInfraError when Podman is not reachable.
     """
-    from reinforge.envs.sandbox import SandboxInfraError
-    from reinforge.envs.sandbox_pool import SandboxPool
+    from reinforge.envs.sandbox.box import SandboxInfraError
+    from reinforge.envs.sandbox.pool import SandboxPool
 
     try:
         pool = SandboxPool(config)

@@ -15,7 +15,7 @@ Public API (stable; the code and terminal domains build on it)::
         box.reset()                                      # clean state for the next task
     # SandboxInfraError: the infrastructure failed (API down, image missing, ...): retry
 
-    SandboxPool (sandbox_pool.py) keeps warm sandboxes, replaces misbehaving ones, caches
+    SandboxPool (pool.py) keeps warm sandboxes, replaces misbehaving ones, caches
     results by hash of (files, command, image), and turns persistent infrastructure failures
     into a typed `InfraFailure` — never a reward.
 
@@ -39,7 +39,7 @@ read its environment (which holds the task's files) — neither this task's nor 
 earlier one.
 
 One driver, `Sandbox.execute`, runs every exec of candidate code: `run`, `run_task` and batches
-of tasks (sandbox_batch.py) alike. It splits the output per task by the markers, enforces each
+of tasks (batch.py) alike. It splits the output per task by the markers, enforces each
 task's deadline (counted from the start of its set-up), the memory watchdog and the flood limit
 by killing the whole container, and classifies how each task ended.
 
@@ -1153,7 +1153,7 @@ class _Exec:
     """One exec in a sandbox, driven to its end (see `Sandbox.execute`): the one place where the
     output is split per task and capped, the deadline, the memory watchdog and the flood limit
     are enforced (by killing the whole container), and how each task ended is classified. `run`,
-    `run_task` and batches (sandbox_batch.py) all come here, so they can't disagree."""
+    `run_task` and batches (batch.py) all come here, so they can't disagree."""
 
     def __init__(self, box: Sandbox, timeouts: Sequence[float], marks: Sequence[str] | None):
         cap = box.config.max_output_bytes

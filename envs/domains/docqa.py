@@ -7,7 +7,7 @@ Each task asks for one or more named fields. The answer format asked of the poli
 
 Each field is scored on its own and the reward is their mean:
 
-- `number`: one number (rules of `reinforge.envs.answers`; `$`, thousands
+- `number`: one number (rules of `reinforge.envs.domains.answers`; `$`, thousands
   separators and a trailing unit word such as `thousand`/`USD` are allowed),
   equal within the field's tolerance;
 - `exact`: normalised exact match (case, punctuation, articles, whitespace);
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
-from reinforge.envs.answers import answers_match, extract_final_answer, normalize_answer
+from reinforge.envs.domains.answers import answers_match, extract_final_answer, normalize_answer
 from reinforge.envs.domain import Check, TaskSpec, Tier, Verdict, check_tier
 from reinforge.envs.tasksets import decode_row, load_jsonl
 

@@ -25,8 +25,8 @@ def register(subparsers) -> None:
 
 def _selftest(args) -> int:
     from reinforge.cli import UserError
-    from reinforge.envs.sandbox import SandboxInfraError, connect
-    from reinforge.envs.sandbox_selftest import main_selftest
+    from reinforge.envs.sandbox.box import SandboxInfraError, connect
+    from reinforge.envs.sandbox.selftest import main_selftest
 
     try:
         connect()
@@ -38,7 +38,7 @@ def _selftest(args) -> int:
 def _doctor(args) -> int:
     import msgspec
 
-    from reinforge.envs.sandbox_image import doctor
+    from reinforge.envs.sandbox.image import doctor
 
     checks = doctor()
     if args.json:
@@ -54,8 +54,8 @@ def _doctor(args) -> int:
 
 def _build_image(args) -> int:
     from reinforge.cli import UserError
-    from reinforge.envs.sandbox import DEFAULT_IMAGE, SandboxInfraError
-    from reinforge.envs.sandbox_image import build_image
+    from reinforge.envs.sandbox.box import DEFAULT_IMAGE, SandboxInfraError
+    from reinforge.envs.sandbox.image import build_image
 
     try:
         print(build_image(args.image or DEFAULT_IMAGE, offline=args.offline))

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
-from reinforge.envs.sandbox import (
+from reinforge.envs.sandbox.box import (
     MAX_INLINE_BYTES,
     PROTECTED_SHELL,
     RunResult,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import msgspec
 
-from reinforge.envs.sandbox import (
+from reinforge.envs.sandbox.box import (
     DEFAULT_IMAGE,
     SandboxInfraError,
     connect,
@@ -37,7 +37,7 @@ class SetupCheck(msgspec.Struct, frozen=True, kw_only=True):
 
 def setup_script() -> Path | None:
     """scripts/setup_podman.sh of the source tree this package is installed from, if any."""
-    here = Path(__file__).resolve().parent.parent
+    here = Path(__file__).resolve().parents[2]  # envs/sandbox/image.py -> the checkout
     path = here / "scripts" / "setup_podman.sh"
     return path if path.exists() else None
 

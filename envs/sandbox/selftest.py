@@ -18,8 +18,8 @@ from collections.abc import Callable
 import msgspec
 import trio
 
-from reinforge.envs.sandbox import RunStatus, RunResult, SandboxConfig
-from reinforge.envs.sandbox_pool import InfraFailure, Job, PoolConfig, SandboxPool
+from reinforge.envs.sandbox.box import RunStatus, RunResult, SandboxConfig
+from reinforge.envs.sandbox.pool import InfraFailure, Job, PoolConfig, SandboxPool
 
 
 class Context(msgspec.Struct, kw_only=True):
@@ -605,7 +605,7 @@ async def run_selftest(
     )
 
 
-def main_selftest(json_out: bool) -> int:  # used by sandbox_cli
+def main_selftest(json_out: bool) -> int:  # used by cli.py
     import sys
 
     def show(r: CaseResult) -> None:

@@ -2,7 +2,7 @@
 
 Output format asked of the policy: end with `#### <answer>` (a final
 `\\boxed{<answer>}` is accepted too). Extraction and equivalence rules live in
-`reinforge.envs.answers` (explicit, tested): equivalent forms (`0.5`, `1/2`,
+`reinforge.envs.domains.answers` (explicit, tested): equivalent forms (`0.5`, `1/2`,
 `\\frac{1}{2}`, `1,000`) pass; near misses and hedged answers fail.
 
 JSONL row schema (`MathRow`), one object per line; GSM8K and MATH rows load as they are:
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from reinforge.envs.answers import answers_match, extract_final_answer
+from reinforge.envs.domains.answers import answers_match, extract_final_answer
 from reinforge.envs.domain import Check, TaskSpec, Tier, Verdict, check_tier
 from reinforge.envs.tasksets import decode_row, load_jsonl
 

@@ -24,9 +24,9 @@ async def hold_sandbox_runner(
     `grace_s`) until `busy()` is 0, then close the pool shielded, so its containers are
     removed even while the actor is being cancelled. `labels` go on every container (so the
     sandboxes of a run, or of a killed actor, can be found and removed)."""
-    from reinforge.envs.code_runner import RunnerInfraError, sandbox_runner
-    from reinforge.envs.sandbox import SandboxConfig
-    from reinforge.envs.sandbox_pool import PoolConfig
+    from reinforge.envs.sandbox.runner import RunnerInfraError, sandbox_runner
+    from reinforge.envs.sandbox.box import SandboxConfig
+    from reinforge.envs.sandbox.pool import PoolConfig
 
     config = PoolConfig(size=pool_size, sandbox=SandboxConfig(labels=dict(labels or {})))
     stopping = trio.Event()
