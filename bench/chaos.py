@@ -44,7 +44,7 @@ import psutil
 import trio
 
 from reinforge.rl import checkpoint as ckpt
-from reinforge.actors import demo
+from reinforge.cli import demo
 from reinforge.actors.learner import DecisionJournal
 from reinforge.core import messages as m
 from reinforge.core import paths, subjects

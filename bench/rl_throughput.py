@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 import trio
-from reinforge.actors import demo
+from reinforge.cli import demo
 from reinforge.core import paths
 
 sys.path.insert(0, str(Path(__file__).parent))  # bench/ is not a package

@@ -1,5 +1,5 @@
 """The command line that starts the embedded rollout server, `reinforge serve`, as a child
-process: the one place outside `reinforge.engine.cli` (which defines the flags) that spells
+process: the one place outside `reinforge.cli.serve` (which defines the flags) that spells
 them. Light on purpose: the supervisor imports it.
 """
 

@@ -74,7 +74,7 @@ def test_a_short_demo_advances_versions_scores_every_domain_and_writes_the_repor
 
 
 def test_the_demo_names_a_domain_whose_every_check_was_an_infrastructure_error():
-    from reinforge.actors.demo import infra_only_domains
+    from reinforge.cli.demo import infra_only_domains
 
     outcomes = {"math": {"pass": 3, "fail": 9}, "code": {"infra_error": 40},
                 "docqa": {"fail": 2, "infra_error": 5}}
@@ -82,7 +82,7 @@ def test_the_demo_names_a_domain_whose_every_check_was_an_infrastructure_error()
 
 
 def test_the_demo_summarises_the_guard_and_the_logprob_mismatch_from_the_metrics(tmp_path):
-    from reinforge.actors.demo import guard_summary, logp_mismatch_summary
+    from reinforge.cli.demo import guard_summary, logp_mismatch_summary
 
     def train(step, mean, mx, share, **tis):
         return {"kind": "train", "version": step, "step": step, "loss": 0.0, "figures": {
@@ -110,7 +110,7 @@ def test_the_demo_summarises_the_guard_and_the_logprob_mismatch_from_the_metrics
 
 
 def test_the_demo_knows_the_tier_of_each_held_out_task_and_the_tiers_it_trained(tmp_path):
-    from reinforge.actors.demo import heldout_tiers, trained_tiers
+    from reinforge.cli.demo import heldout_tiers, trained_tiers
 
     tiers = heldout_tiers(["math", "code"], 3)
     assert sorted(tiers["math"].values()) == sorted(list(range(5)) * 3)
@@ -126,7 +126,7 @@ def test_the_demo_knows_the_tier_of_each_held_out_task_and_the_tiers_it_trained(
 
 
 def test_the_demo_reports_the_training_reward_at_the_start_and_the_end(tmp_path):
-    from reinforge.actors.demo import train_reward_start_end
+    from reinforge.cli.demo import train_reward_start_end
 
     metrics = tmp_path / "metrics.jsonl"
     rows = [{"kind": "scored", "domain": "math", "purpose": "train", "outcome": "fail",

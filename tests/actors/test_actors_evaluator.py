@@ -11,7 +11,7 @@ import random
 import msgspec
 import pytest
 import trio
-from reinforge.actors.eval_cli import register
+from reinforge.cli.eval import register
 from reinforge.rl.evalsets import (
     ContaminationError,
     HeldOutConfig,

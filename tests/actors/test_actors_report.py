@@ -198,7 +198,7 @@ def test_the_report_command_writes_into_the_run_dir_and_refuses_a_run_without_me
     run_metrics.mkdir(parents=True)
     (run_metrics / "metrics.jsonl").write_bytes(recorded.read_bytes())
     env = {"REINFORGE_HOME": str(home), "PATH": "/usr/bin:/bin", "MPLBACKEND": "Agg"}
-    cmd = [sys.executable, "-c", "from reinforge.actors.report_cli import register\n"
+    cmd = [sys.executable, "-c", "from reinforge.cli.report import register\n"
            "import argparse, sys\n"
            "p = argparse.ArgumentParser(); s = p.add_subparsers(); register(s)\n"
            "from reinforge.cli import UserError\n"

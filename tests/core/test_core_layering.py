@@ -70,3 +70,15 @@ def test_the_rollout_package_imports_no_actor():
                  for path in sorted((ROOT / "reinforge" / "rollout").glob("*.py"))
                  for mod in imported_modules(path) if mod.startswith("reinforge.actors")]
     assert offenders == []
+
+
+def test_every_command_lives_in_reinforge_cli_one_module_each():
+    from reinforge.cli import COMMAND_MODULES
+
+    modules = {p.stem for p in (ROOT / "reinforge" / "cli").glob("*.py")} - {"__init__"}
+    assert {m.rsplit(".", 1)[1] for m in COMMAND_MODULES} == modules
+    folders = ("core", "actors", "envs", "kernels", "engine", "reinforge/rl", "reinforge/rollout")
+    sources = [p for folder in folders for p in (ROOT / folder).rglob("*.py")]
+    elsewhere = [str(p.relative_to(ROOT)) for p in sources
+                 if "def register(subparsers" in p.read_text()]
+    assert elsewhere == []

@@ -126,7 +126,7 @@ def render_table(report: Any) -> Any:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from reinforge.core.cli import load_creds
+    from reinforge.cli.actor import load_creds
 
     creds = load_creds(args.run, args.creds)
     report = fetch_status(creds, args.run)
@@ -146,7 +146,7 @@ def cmd_top(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from reinforge.core.cli import load_creds
+    from reinforge.cli.actor import load_creds
 
     creds = load_creds(args.run, args.creds)
     console = Console()

@@ -74,7 +74,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from reinforge.core import subjects
     from reinforge.core.bus import open_bus
-    from reinforge.core.cli import load_creds
+    from reinforge.cli.actor import load_creds
     from reinforge.core.msglog import LogRecord, LogWriter
 
     creds = load_creds(args.run, args.creds)
@@ -158,7 +158,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     import trio
 
     from reinforge.cli import UserError
-    from reinforge.core.cli import build_actor
+    from reinforge.cli.actor import build_actor
     from reinforge.core.msglog import LogFormatError, read_log
     from reinforge.core.replay import format_result, replay, result_json
 

@@ -142,7 +142,7 @@ def up_detached(args: argparse.Namespace, config: Any) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
         raise UserError(f"{exc}\n--- {log_path} (tail) ---\n{log_tail(log_path, 60)}") from None
-    from reinforge.core.cmd_status import report_to_json
+    from reinforge.cli.status import report_to_json
 
     summary = report_to_json(report)
     if args.json:
@@ -157,7 +157,7 @@ def wait_healthy(run: str, expected: int, proc: subprocess.Popen | None, timeout
     """Poll the run's status until `expected` actors report `running`."""
     from reinforge.cli import UserError
     from reinforge.core import paths
-    from reinforge.core.cmd_status import fetch_status
+    from reinforge.cli.status import fetch_status
     from reinforge.core.natsd import NatsCredentials
 
     deadline = time.monotonic() + timeout_s
@@ -289,7 +289,7 @@ def cmd_attach(args: argparse.Namespace) -> int:
 
     from reinforge.cli import UserError
     from reinforge.core import paths, subjects
-    from reinforge.core.cli import build_actor, load_creds
+    from reinforge.cli.actor import build_actor, load_creds
     from reinforge.core.cluster import ActorSpec, ClusterConfig
     from reinforge.core.config import parse_overrides
 
@@ -351,7 +351,7 @@ def attach_via_supervisor(creds: Any, run: str, args: argparse.Namespace) -> int
 def wait_attached(creds: Any, run: str, actor_type: str, replicas: int,
                   proc: subprocess.Popen, timeout_s: float = 120) -> None:
     from reinforge.cli import UserError
-    from reinforge.core.cmd_status import fetch_status
+    from reinforge.cli.status import fetch_status
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -1,5 +1,5 @@
-"""Core sub-commands: `reinforge actor run`, and the cluster tools (up, down, status,
-top, attach, log, replay) as they land."""
+"""`reinforge actor run`: one actor process joining a run; and the two helpers the cluster
+commands share (the run's NATS credentials, an actor class with its config)."""
 
 from __future__ import annotations
 
@@ -24,21 +24,6 @@ def register(subparsers: Any) -> None:
     run.add_argument("--allow-no-auth", action="store_true",
                      help="allow a NATS server without credentials (a URL in --creds)")
     run.set_defaults(func=cmd_actor_run)
-
-    for name in ("up", "status", "log"):
-        _register_optional(subparsers, name)
-
-
-def _register_optional(subparsers: Any, name: str) -> None:
-    import importlib
-
-    try:
-        module = importlib.import_module(f"reinforge.core.cmd_{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name == f"reinforge.core.cmd_{name}":
-            return
-        raise
-    module.register(subparsers)
 
 
 def load_creds(run: str, creds: str | None) -> Any:

@@ -1,4 +1,4 @@
-"""The `reinforge` command line: one dispatcher, sub-commands owned by their packages.
+"""The `reinforge` command line: this dispatcher, and one module per command in this package.
 
 Each module in COMMAND_MODULES defines `register(subparsers)`, which adds its
 sub-commands and sets `func(args) -> int` on each. Registration must stay cheap:
@@ -13,17 +13,12 @@ import importlib
 import os
 import sys
 
-# Named by string so that this dispatcher, not `core`, knows about every layer.
-COMMAND_MODULES = (
-    "reinforge.core.cli",
-    "reinforge.envs.cli",
-    "reinforge.kernels.cli",
-    "reinforge.engine.cli",
-    "reinforge.actors.cli",
-    "reinforge.actors.eval_cli",
-    "reinforge.actors.report_cli",
-    "reinforge.actors.demo",
-)
+# One module per command (group), named after it; imported by name so that a command whose
+# optional dependencies are missing is left out instead of breaking the others.
+COMMAND_MODULES = tuple(f"reinforge.cli.{name}" for name in (
+    "up", "status", "log", "actor", "envs", "sandbox", "kernels", "model", "serve", "sft",
+    "eval", "report", "demo",
+))
 
 
 def reinforge_argv(*args: str) -> list[str]:

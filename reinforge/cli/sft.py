@@ -1,4 +1,4 @@
-"""Sub-commands of the actors package: `reinforge sft`."""
+"""`reinforge sft`: supervised fine-tuning from demonstrations into a Hugging Face checkpoint."""
 
 from __future__ import annotations
 
