@@ -33,7 +33,7 @@ from typing import Any
 import msgspec
 import trio
 
-from reinforge.actors import metrics as mx
+from reinforge.metrics import writers as mx
 from reinforge.core import paths, subjects
 from reinforge.core.actor import Actor, Input
 from reinforge.core.messages import (

@@ -247,7 +247,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     after = evaluate(after_model, domains, args.eval_k, args.eval_tasks_per_tier)
 
     from reinforge.rl.scoring import mean_change, paired_change
-    from reinforge.actors.report import build_report
+    from reinforge.metrics.report import build_report
 
     report_dir = run_dir / "report"
     metrics = run_dir / "metrics" / "metrics.jsonl"

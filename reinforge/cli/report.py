@@ -39,7 +39,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             f"no metrics file at {metrics}: run a monitor for run {args.run!r} "
             "(reinforge.actors.monitor:Monitor) or pass --metrics FILE"
         )
-    from reinforge.actors.report import build_report
+    from reinforge.metrics.report import build_report
 
     try:
         report = build_report(metrics, out, run=args.run)

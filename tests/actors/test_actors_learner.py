@@ -245,7 +245,7 @@ def test_a_tis_cap_between_zero_and_one_is_refused():
 
 def test_the_mismatch_and_tis_figures_reach_train_stats_the_monitor_and_the_report():
     from reinforge.actors.monitor import MonitorState, render_line
-    from reinforge.actors.report import summarise
+    from reinforge.metrics.report import summarise
 
     typed = {"logp_mismatch_mean_nats": 0.05, "logp_mismatch_max_nats": 0.25,
              "logp_mismatch_share_over": 0.1, "logp_mismatch_threshold_nats": 0.1,

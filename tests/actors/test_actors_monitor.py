@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
-from reinforge.actors import metrics as mx
+from reinforge.metrics import writers as mx
 from reinforge.actors.monitor import (
     Monitor,
     MonitorConfig,
@@ -353,7 +353,7 @@ def test_the_monitor_turns_bus_messages_into_jsonl_prometheus_and_tensorboard(
     assert [e.value for e in acc.Scalars("train/loss")] == pytest.approx([0.5, 0.25])
 
     # and the report reads what the monitor wrote
-    from reinforge.actors.report import build_report
+    from reinforge.metrics.report import build_report
 
     report = build_report(run_dir / "metrics" / "metrics.jsonl", run_dir / "report")
     assert report.run == run_name

@@ -82,3 +82,11 @@ def test_every_command_lives_in_reinforge_cli_one_module_each():
     elsewhere = [str(p.relative_to(ROOT)) for p in sources
                  if "def register(subparsers" in p.read_text()]
     assert elsewhere == []
+
+
+def test_the_actors_folder_holds_actors_only():
+    """Each module of actors/ defines an actor (a class with an `actor_type`); the algorithm,
+    the rollout plumbing, the metrics and the commands live in their own packages."""
+    without = [p.name for p in sorted((ROOT / "actors").glob("*.py"))
+               if p.name != "__init__.py" and "actor_type = " not in p.read_text()]
+    assert without == []

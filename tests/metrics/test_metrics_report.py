@@ -10,9 +10,9 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from reinforge.actors import metrics as mx
+from reinforge.metrics import writers as mx
 from reinforge.actors.monitor import MonitorState
-from reinforge.actors.report import (
+from reinforge.metrics.report import (
     bin_width_s,
     binned,
     build_report,

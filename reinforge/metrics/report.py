@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from reinforge.actors.metrics import read_jsonl, write_json_file
+from reinforge.metrics.writers import read_jsonl, write_json_file
 
 Record = dict[str, Any]
 
