@@ -19,11 +19,10 @@ import re
 import shlex
 from collections.abc import Mapping, Sequence
 
-import msgspec
-
 from reinforge.envs.sandbox.box import (
     MAX_INLINE_BYTES,
     PROTECTED_SHELL,
+    Job,
     RunResult,
     Sandbox,
     inline_inputs,
@@ -35,15 +34,7 @@ from reinforge.envs.sandbox.box import (
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
-class Task(msgspec.Struct, frozen=True, kw_only=True):
-    files: dict[str, str | bytes] = {}
-    argv: list[str]
-    stdin: bytes = b""
-    env: dict[str, str] = {}
-    timeout_s: float | None = None
-
-
-def inline_size(task: Task) -> int:
+def inline_size(task: Job) -> int:
     """Bytes this task adds to the exec's environment (files + stdin, base64)."""
     raw = sum(len(v) for v in task.files.values()) + len(task.stdin)
     raw += sum(len(a) for a in task.argv) + sum(len(k) + len(v) for k, v in task.env.items())
@@ -54,7 +45,7 @@ def can_batch(box: Sandbox) -> bool:
     return box.shell == PROTECTED_SHELL
 
 
-def run_batch(box: Sandbox, tasks: Sequence[Task]) -> list[RunResult | None]:
+def run_batch(box: Sandbox, tasks: Sequence[Job]) -> list[RunResult | None]:
     """Run `tasks` one after another in one exec of `box`. None: not run (the box died first).
 
     Raises SandboxInfraError when the exec could not run at all (and marks the box unhealthy).
@@ -95,9 +86,9 @@ def run_batch(box: Sandbox, tasks: Sequence[Task]) -> list[RunResult | None]:
     return box.execute([box.shell, "-c", script], env, timeouts=timeouts, marks=marks)
 
 
-def run_tasks(box: Sandbox, tasks: Sequence[Task] | Sequence[Mapping]) -> list[RunResult | None]:
+def run_tasks(box: Sandbox, tasks: Sequence[Job] | Sequence[Mapping]) -> list[RunResult | None]:
     """`run_batch` for a batch of one or more (a single task goes through `run_task`)."""
-    tasks = [t if isinstance(t, Task) else Task(**t) for t in tasks]
+    tasks = [t if isinstance(t, Job) else Job(**t) for t in tasks]
     if len(tasks) == 1 or not can_batch(box):
         t = tasks[0]
         return [box.run_task(t.files, t.argv, stdin=t.stdin, env=t.env, timeout_s=t.timeout_s)]

@@ -93,6 +93,7 @@ from __future__ import annotations
 
 import base64
 import enum
+import hashlib
 import io
 import json
 import os
@@ -145,6 +146,30 @@ class LimitMechanism(enum.Enum):
 
     CGROUP = "cgroup+rlimit+timeout"  # cgroup v2: kernel limits per container, plus the rest
     RLIMIT = "rlimit+timeout"  # cgroup v1 rootless: rlimits inside, wall-clock kill outside
+
+
+class Job(msgspec.Struct, frozen=True, kw_only=True):
+    """One command to run on fresh files: e.g. candidate code + its hidden tests."""
+
+    files: dict[str, str | bytes] = {}
+    """Relative path -> content, written to the work dir before the command."""
+    argv: list[str]
+    stdin: bytes = b""
+    env: dict[str, str] = {}
+    timeout_s: float | None = None
+    """None: the sandbox config's timeout_s."""
+
+    def cache_key(self, image: str) -> str:
+        """sha256 over everything that decides the outcome: files, command, stdin, env, image."""
+        h = hashlib.sha256()
+        h.update(image.encode() + b"\0")
+        for name in sorted(self.files):
+            content = self.files[name]
+            data = content.encode() if isinstance(content, str) else bytes(content)
+            h.update(b"F%d:%s\0%d:" % (len(name), name.encode(), len(data)) + data)
+        h.update(msgspec.msgpack.encode([self.argv, sorted(self.env.items()), self.timeout_s]))
+        h.update(b"S" + self.stdin)
+        return h.hexdigest()
 
 
 class RunResult(msgspec.Struct, frozen=True, kw_only=True):

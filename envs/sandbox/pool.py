@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import hashlib
 import math
 import secrets
 import time
@@ -40,6 +39,7 @@ from reinforge.envs.sandbox.box import (
     MAX_INLINE_BYTES,
     CANDIDATE_UID_BASE,
     CANDIDATE_UID_SPAN,
+    Job,
     RunStatus,
     RunResult,
     Sandbox,
@@ -48,31 +48,7 @@ from reinforge.envs.sandbox.box import (
     connect,
     limit_mechanism,
 )
-from reinforge.envs.sandbox.batch import Task, can_batch, inline_size, run_tasks
-
-
-class Job(msgspec.Struct, frozen=True, kw_only=True):
-    """One command to run on fresh files: e.g. candidate code + its hidden tests."""
-
-    files: dict[str, str | bytes] = {}
-    """Relative path -> content, written to the work dir before the command."""
-    argv: list[str]
-    stdin: bytes = b""
-    env: dict[str, str] = {}
-    timeout_s: float | None = None
-    """None: the sandbox config's timeout_s."""
-
-    def cache_key(self, image: str) -> str:
-        """sha256 over everything that decides the outcome: files, command, stdin, env, image."""
-        h = hashlib.sha256()
-        h.update(image.encode() + b"\0")
-        for name in sorted(self.files):
-            content = self.files[name]
-            data = content.encode() if isinstance(content, str) else bytes(content)
-            h.update(b"F%d:%s\0%d:" % (len(name), name.encode(), len(data)) + data)
-        h.update(msgspec.msgpack.encode([self.argv, sorted(self.env.items()), self.timeout_s]))
-        h.update(b"S" + self.stdin)
-        return h.hexdigest()
+from reinforge.envs.sandbox.batch import can_batch, inline_size, run_tasks
 
 
 class InfraFailure(msgspec.Struct, frozen=True, kw_only=True):
@@ -167,16 +143,10 @@ class _Slot:
         self.done.set()
 
 
-def _task(job: Job) -> Task:
-    return Task(
-        files=job.files, argv=job.argv, stdin=job.stdin, env=job.env, timeout_s=job.timeout_s
-    )
-
-
 def _small(job: Job) -> bool:
     """Batchable: small inline input, argv and env within the limits of one exec."""
     return (
-        inline_size(_task(job)) <= MAX_INLINE_BYTES // 4
+        inline_size(job) <= MAX_INLINE_BYTES // 4
         and all(len(a) <= 100_000 for a in job.argv)
         and len(job.stdin) <= MAX_INLINE_BYTES // 4
     )
@@ -365,7 +335,7 @@ class SandboxPool:
                 )
                 continue
             batch = [slot]
-            budget = MAX_INLINE_BYTES - inline_size(_task(slot.job))
+            budget = MAX_INLINE_BYTES - inline_size(slot.job)
             if can_batch(box) and _small(slot.job):
                 while len(batch) < self.config.max_batch:
                     try:
@@ -374,7 +344,7 @@ class SandboxPool:
                         break
                     if more.abandoned:
                         continue
-                    size = inline_size(_task(more.job))
+                    size = inline_size(more.job)
                     if _small(more.job) and size <= budget:
                         batch.append(more)
                         budget -= size
@@ -382,7 +352,7 @@ class SandboxPool:
                         carry.append(more)
             self._busy += 1
             try:
-                tasks = [_task(s.job) for s in batch]
+                tasks = [s.job for s in batch]
                 results = await trio.to_thread.run_sync(run_tasks, box, tasks)
             except SandboxInfraError as exc:
                 box.healthy = False

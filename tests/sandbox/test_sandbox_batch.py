@@ -6,7 +6,7 @@ import pytest
 import trio
 
 from reinforge.envs.sandbox.box import RunStatus, Sandbox, SandboxConfig
-from reinforge.envs.sandbox.batch import Task, can_batch, run_batch
+from reinforge.envs.sandbox.batch import can_batch, run_batch
 from reinforge.envs.sandbox.pool import Job, PoolConfig, SandboxPool
 
 pytestmark = pytest.mark.podman
@@ -35,11 +35,11 @@ def box(podman_url):
 
 
 def test_each_task_of_a_batch_starts_clean_and_sees_only_its_own_input(box):
-    litter = Task(
+    litter = Job(
         files={"l.sh": "echo x > /tmp/litter; echo y > /dev/shm/litter; (sleep 100 &); echo ok\n"},
         argv=["sh", "l.sh"],
     )
-    snoop = lambda i: Task(
+    snoop = lambda i: Job(
         files={"s.py": SNOOP}, argv=["python3", "s.py"], stdin=b"in%d" % i, env={"MINE": str(i)}
     )
     results = run_batch(box, [litter, snoop(1), litter, snoop(2)])
@@ -51,9 +51,9 @@ def test_each_task_of_a_batch_starts_clean_and_sees_only_its_own_input(box):
 
 def test_a_timeout_in_a_batch_ends_that_task_and_leaves_the_rest_unrun(box):
     tasks = [
-        Task(files={"a.py": "print('first')"}, argv=["python3", "a.py"]),
-        Task(files={"a.py": "while True: pass"}, argv=["python3", "a.py"], timeout_s=1),
-        Task(files={"a.py": "print('third')"}, argv=["python3", "a.py"]),
+        Job(files={"a.py": "print('first')"}, argv=["python3", "a.py"]),
+        Job(files={"a.py": "while True: pass"}, argv=["python3", "a.py"], timeout_s=1),
+        Job(files={"a.py": "print('third')"}, argv=["python3", "a.py"]),
     ]
     first, second, third = run_batch(box, tasks)
     assert first.stdout == b"first\n" and first.ok
@@ -63,7 +63,7 @@ def test_a_timeout_in_a_batch_ends_that_task_and_leaves_the_rest_unrun(box):
 
 def test_exit_codes_stdout_and_stderr_are_split_exactly_per_task(box):
     tasks = [
-        Task(
+        Job(
             files={
                 "a.py": f"import sys\nsys.stdout.write('o{i}')\nsys.stderr.write('e{i}\\n')\n"
                 f"sys.exit({i})"

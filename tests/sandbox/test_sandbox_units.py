@@ -25,7 +25,7 @@ from reinforge.envs.sandbox.box import (
     labels_from_env,
     make_tar,
 )
-from reinforge.envs.sandbox.batch import Task, run_batch
+from reinforge.envs.sandbox.batch import run_batch
 from reinforge.envs.sandbox.pool import Job, PoolConfig
 
 
@@ -164,7 +164,7 @@ def test_each_tasks_output_and_status_are_cut_at_its_markers_however_the_stream_
         Played(status=3, stdout=b"\n" * 40 + b"reinforge-", stderr=b""),
     ]
     box = fake_box(monkeypatch, played, frame_bytes=3)
-    results = run_batch(box, [Task(argv=["a"]), Task(argv=["b"])])
+    results = run_batch(box, [Job(argv=["a"]), Job(argv=["b"])])
     assert [(r.exit_code, r.stdout, r.stderr) for r in results] == [
         (0, b"o0", b"e0\n"),
         (3, b"\n" * 40 + b"reinforge-", b""),
@@ -182,7 +182,7 @@ def test_a_sigkill_at_the_deadline_is_a_timeout_in_a_batch_as_in_a_single_run(
     # rlimit mode: RLIMIT_CPU ends in SIGKILL, which only its timing tells from the candidate's own
     if batched:
         box = fake_box(monkeypatch, [Played(), Played(ran_s=ran_s, status=137)])
-        first, result = run_batch(box, [Task(argv=["true"]), Task(argv=["spin"])])
+        first, result = run_batch(box, [Job(argv=["true"]), Job(argv=["spin"])])
         assert first.ok
     else:
         box = fake_box(monkeypatch, [Played(ran_s=ran_s, status=137)])
