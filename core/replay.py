@@ -38,7 +38,9 @@ from reinforge.core.messages import MessageError, decode, to_builtins
 from reinforge.core.msglog import LogRecord, subject_matches
 from reinforge.core.natsd import EmbeddedNats
 
-IGNORED_FIELDS = frozenset({"sent_at", "actor_id", "verifier_id"})
+# Fields that differ between two runs by nature: send times, who answered, and the measured
+# durations of a rollout's stages (`Rollout.timings`: queueing, generation, verification).
+IGNORED_FIELDS = frozenset({"sent_at", "actor_id", "verifier_id", "timings"})
 
 
 @dataclass

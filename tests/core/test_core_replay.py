@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 import trio
 from reinforge.actors.learner import Learner, LearnerConfig
@@ -184,3 +185,16 @@ def test_replay_says_where_its_scratch_home_is_and_keeps_it_only_when_asked(
     assert (kept_home / run_name / "scheduler_state.json").is_file()
     assert kept_home.parent == tmp_path and removed_home.parent == tmp_path
     assert removed.returncode == 0 and not removed_home.exists()
+
+
+def test_a_replayed_output_that_differs_only_in_measured_durations_is_no_difference():
+    """Two runs of a verifier never time a check alike; the verdict is what is compared."""
+    from reinforge.core.replay import diff_text, normalise
+
+    recorded = scored_group("t", [1.0], version=0)[0]
+    timed = msgspec.structs.replace(recorded.rollout, timings=m.Timings(verify_s=2.5, queued_s=1))
+    replayed = msgspec.structs.replace(recorded, rollout=timed, verifier_id="another")
+    assert diff_text(normalise(m.encode(recorded)), normalise(m.encode(replayed))) == []
+    rescored = msgspec.structs.replace(replayed, reward=0.0)
+    assert diff_text(normalise(m.encode(recorded)), normalise(m.encode(rescored))) == [
+        "$.reward: recorded 1.0 != replayed 0.0"]
