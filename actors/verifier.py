@@ -29,7 +29,8 @@ import trio
 from reinforge.envs.sandbox.owned import hold_sandbox_runner, sandbox_labels
 from reinforge.core import subjects
 from reinforge.core.actor import Actor, Input, Reject, Retry, Ticket
-from reinforge.core.messages import Check, Outcome, Rollout, ScoredRollout
+from reinforge.core.messages import Outcome, Rollout, ScoredRollout
+from reinforge.rl.samples import scored_from_verdict, task_spec_of
 
 
 class VerifierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -85,37 +86,6 @@ def resource_limits(config: VerifierConfig) -> dict[str, int]:
 
     return {"sandbox": config.sandbox_pool_size * PoolConfig().max_batch,
             **config.resource_limits}
-
-
-def task_spec_of(rollout: Rollout) -> Any:
-    """Rebuild the domain's TaskSpec from what the rollout carries."""
-    from reinforge.envs.domain import TaskSpec
-
-    return TaskSpec(
-        task_id=rollout.task_id,
-        domain=rollout.domain,
-        tier=rollout.tier,
-        prompt=rollout.prompt,
-        spec=dict(rollout.spec),
-    )
-
-
-def scored_from_verdict(
-    rollout: Rollout, verdict: Any, *, verifier_id: str, verify_s: float, attempts: int
-) -> ScoredRollout:
-    """The bus message for a domain Verdict (timings.verify_s filled in)."""
-    reason = verdict.reason
-    if verdict.outcome == "infra_error" and attempts > 1:
-        reason = f"{reason} (infra_error on all {attempts} attempts)"
-    timings = msgspec.structs.replace(rollout.timings, verify_s=verify_s)
-    return ScoredRollout(
-        rollout=msgspec.structs.replace(rollout, timings=timings),
-        reward=float(verdict.reward),
-        outcome=Outcome(verdict.outcome),
-        checks=[Check(name=c.name, passed=c.passed, detail=c.detail) for c in verdict.checks],
-        reason=reason,
-        verifier_id=verifier_id,
-    )
 
 
 class VerifierActor(Actor):

@@ -1,4 +1,5 @@
-"""The synchronous baseline of bench/rl_throughput.py: one process, one phase at a time.
+"""The synchronous baseline of bench/rl_throughput.py: the reference loop
+(reinforge.rl.loop) on the cluster's parts, in one process, one phase at a time.
 
     repeat: draw tasks -> generate every group -> verify every sample -> once enough groups
             carry signal: one GRPO step -> checkpoint -> load it into the rollout server
@@ -7,9 +8,9 @@ Each phase waits for the last, as in a synchronous RL trainer: generation for th
 weights, verification for the whole generation round, training for the whole verification
 round. The parts are the cluster's: `reinforge serve` through RolloutClient (all groups of
 a round sent at once, so the server batches them), the domains' own `verify` on a Podman
-SandboxPool of the verifier's size and resource limits, the learner's `prepare_samples`,
-`Trainer` and checkpoint format, the scheduler's curriculum and mix. There is no bus: the
-baseline pays no messaging cost.
+SandboxPool of the verifier's size and resource limits, the learner's `Trainer`, advantages
+and checkpoint format, the scheduler's curriculum and mix. There is no bus: the baseline
+pays no messaging cost.
 
 A round is sized like the scheduler's budget at max_staleness 0: the tasks expected (by
 each domain's recent rate of groups with signal) to give the step's missing groups, at most
@@ -20,7 +21,6 @@ are dropped (counted as stale).
 from __future__ import annotations
 
 import contextlib
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,25 +29,15 @@ from typing import Any
 import msgspec
 import psutil
 import trio
-from reinforge.rl import checkpoint as ckpt
-from reinforge.rl.curriculum import (
-    CurriculumConfig,
-    DomainCurriculum,
-    draw_domain,
-    group_has_signal,
-    issue_budget,
-    mix_probabilities,
-    new_task_signal_rate,
-    updated_signal_rate,
-)
-from reinforge.actors.learner import LearnerConfig, prepare_samples, sample_is_valid
-from reinforge.rollout.client import RolloutClient, parse_weight_version
-from reinforge.rollout.server import ServerProcess, ServerSpec
-from reinforge.rl.prompts import task_prompt_ids
+from reinforge.actors.learner import LearnerConfig
 from reinforge.actors.scheduler import SchedulerConfig
+from reinforge.actors.verifier import VerifierConfig, resource_limits
+from reinforge.core.messages import Rollout, ScoredRollout, Task, WeightsPublished
+from reinforge.rl.curriculum import group_has_signal
+from reinforge.rl.loop import LoopSettings, ReferenceLoop, Step, generate_group, verify_rollout
 from reinforge.rl.trainer import Trainer
-from reinforge.actors.verifier import VerifierConfig, resource_limits, scored_from_verdict
-from reinforge.core.messages import Rollout, ScoredRollout, rollout_id
+from reinforge.rollout.client import RolloutClient
+from reinforge.rollout.server import ServerProcess, ServerSpec
 
 
 class SyncSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -84,10 +74,10 @@ async def run_sync(sft: Path, domains: list[str], settings: SyncSettings, work_d
             for name in domains:
                 d = registry.get(name)
                 doms[name] = d.with_runner(runner) if d.resource == "sandbox" else d
-            loop = SyncLoop(sft, doms, settings, work_dir, client)
             limits = ResourceLimits(resource_limits(
                 VerifierConfig(sandbox_pool_size=settings.sandbox_pool_size)))
-            return await loop.run(limits, window_s=window_s, warmup_timeout_s=warmup_timeout_s)
+            loop = SyncLoop(sft, doms, settings, work_dir, client, limits)
+            return await loop.run(window_s=window_s, warmup_timeout_s=warmup_timeout_s)
     finally:
         server.stop()
 
@@ -147,155 +137,128 @@ class CpuMeter:
         return 1.0 - idle / total if total > 0 else 0.0
 
 
+class Window:
+    """The sync loop's Watch: it runs until the first version (at most `warmup_timeout_s`),
+    then `window_s` seconds, and counts what the window saw; the first version also restarts
+    the phase clock and the CPU meter."""
+
+    def __init__(self, phases: PhaseClock, *, window_s: float, warmup_timeout_s: float) -> None:
+        self.phases = phases
+        self.window_s = window_s
+        self.warmup_timeout_s = warmup_timeout_s
+        self.deadline = time.time() + warmup_timeout_s
+        self.t_first: float | None = None
+        self.cpu = CpuMeter()
+        self.trained = self.generated = self.steps = self.stale = 0
+        self.busy = 0.0
+        self.groups: list[tuple[str, list[float]]] = []
+
+    def keep_going(self) -> bool:
+        if self.t_first is None:
+            if time.time() > self.deadline:
+                raise SystemExit(f"sync: no policy version within {self.warmup_timeout_s} s")
+            return True
+        return time.time() < self.t_first + self.window_s
+
+    def scored(self, groups: list[list[ScoredRollout]]) -> None:
+        if self.t_first is None:
+            return
+        self.generated += sum(len(g) for g in groups)
+        self.groups += [(g[0].rollout.domain, [s.reward for s in g]) for g in groups]
+
+    def stepped(self, step: Step, stale_groups: int) -> None:
+        if self.t_first is None:
+            self.t_first = time.time()
+            self.phases.reset()
+            self.cpu.start()
+            return
+        if time.time() <= self.t_first + self.window_s:
+            self.trained += step.samples
+            self.busy += step.compute_s + step.checkpoint_s
+            self.steps += 1
+            self.stale += stale_groups
+
+    def figures(self) -> dict[str, float]:
+        return {
+            "samples_per_s": self.trained / self.window_s,
+            "generated_per_s": self.generated / self.window_s,
+            "steps": float(self.steps),
+            "learner_idle": max(0.0, 1.0 - self.busy / self.window_s),
+            "stale_groups_dropped": float(self.stale),
+            "cpu_busy": self.cpu.busy_share(),
+            **self.phases.shares(),
+            **signal_shares(self.groups),
+        }
+
+
 class SyncLoop:
+    """The reference loop with the cluster's parts, each phase timed: a round's groups are
+    generated at once and its samples verified at once (bounded per resource, as in the
+    verifier), and the GRPO step runs in a worker thread."""
+
     def __init__(self, sft: Path, domains: dict[str, Any], settings: SyncSettings,
-                 work_dir: Path, client: RolloutClient) -> None:
+                 work_dir: Path, client: RolloutClient, limits: Any) -> None:
         from reinforge.engine.tokenizer import load_tokenizer
 
-        self.sft = sft
         self.domains = domains
         self.s = settings
-        self.root = work_dir / "checkpoints"
         self.client = client
+        self.limits = limits
         self.tokenizer = load_tokenizer(sft)
-        self.learner_cfg = LearnerConfig(model=str(sft), groups_per_batch=settings.groups_per_batch,
-                                         group_size=settings.group_size,
-                                         learning_rate=settings.learning_rate, torch_threads=1)
-        self.trainer = Trainer(self.learner_cfg, sft)
-        self.min_signal_rate = SchedulerConfig().min_signal_rate
-        self.curricula = {n: DomainCurriculum.new(CurriculumConfig(), len(d.tiers))
-                          for n, d in domains.items()}
-        self.signal = {n: 0.5 for n in domains}  # the scheduler's prior
-        self.probs = mix_probabilities(dict.fromkeys(domains, 1.0))
-        self.rng = random.Random(0)
-        self.version = 0
-        self.issued = 0
+        self.phases = PhaseClock()
+        learner_cfg = LearnerConfig(model=str(sft), groups_per_batch=settings.groups_per_batch,
+                                    group_size=settings.group_size,
+                                    learning_rate=settings.learning_rate, torch_threads=1)
+        loop_settings = LoopSettings(
+            group_size=settings.group_size, groups_per_batch=settings.groups_per_batch,
+            max_in_flight=settings.max_in_flight,
+            min_signal_rate=SchedulerConfig().min_signal_rate,
+            advantage_norm=learner_cfg.advantage_norm)
+        self.loop = ReferenceLoop(
+            loop_settings, domains, Trainer(learner_cfg, sft), generate=self.generate,
+            verify=self.verify, load_weights=self.load_weights, offload=self.train_in_thread,
+            checkpoint_root=work_dir / "checkpoints", tokenizer_src=sft)
 
-    # -- the phases ---------------------------------------------------------------------
+    async def run(self, *, window_s: float, warmup_timeout_s: float) -> dict[str, float]:
+        window = Window(self.phases, window_s=window_s, warmup_timeout_s=warmup_timeout_s)
+        await self.loop.run(window)
+        return window.figures()
 
-    def draw_tasks(self, missing_groups: int) -> list[tuple[str, Any]]:
-        rate = new_task_signal_rate(self.probs, self.signal, floor=self.min_signal_rate)
-        n = issue_budget(in_flight=0, max_in_flight=self.s.max_in_flight,
-                         groups_per_version=missing_groups, max_staleness=0,
-                         done_since_version=0, expected_in_flight=0.0, signal_rate=rate)
-        out = []
-        for _ in range(n):
-            name = draw_domain(self.probs, self.rng)
-            tier = self.curricula[name].choose_tier(self.rng, self.s.group_size)
-            out.append((name, self.domains[name].sample_task(self.rng, tier)))
-        return out
+    # -- the phases, as the reference loop's parts --------------------------------------
 
-    async def generate(self, tasks: list[tuple[str, Any]]) -> list[list[Rollout]]:
+    async def generate(self, tasks: list[Task]) -> list[list[Rollout]]:
         groups: list[list[Rollout]] = [[] for _ in tasks]
+        sampling = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": self.s.max_new_tokens}
 
-        async def one(i: int, name: str, spec: Any) -> None:
-            prompt = self.domains[name].prompt(spec)
-            ids = task_prompt_ids(self.tokenizer, prompt)
-            samples = await self.client.generate(input_ids=ids, sampling_params={
-                "n": self.s.group_size, "temperature": 1.0, "top_p": 1.0,
-                "max_new_tokens": self.s.max_new_tokens})
-            task_id = f"{spec.task_id}@{self.issued + i}"
-            groups[i] = [Rollout(
-                rollout_id=rollout_id(task_id, k, 1), task_id=task_id, sample_index=k,
-                domain=name, tier=spec.tier, prompt=prompt, completion=smp.text,
-                prompt_ids=ids, output_ids=list(smp.output_ids), logprobs=list(smp.logprobs),
-                policy_version=parse_weight_version(smp.weight_version),
-                finish_reason=smp.finish_reason, spec=dict(spec.spec),
-                group_size=self.s.group_size, purpose="train",
-            ) for k, smp in enumerate(samples)]
+        async def one(i: int, task: Task) -> None:
+            groups[i] = await generate_group(self.client, self.tokenizer, task, sampling)
 
-        async with trio.open_nursery() as nursery:
-            for i, (name, spec) in enumerate(tasks):
-                nursery.start_soon(one, i, name, spec)
-        self.issued += len(tasks)
+        with self.phases.timing("generate"):
+            async with trio.open_nursery() as nursery:
+                for i, task in enumerate(tasks):
+                    nursery.start_soon(one, i, task)
         return groups
 
-    async def verify(self, groups: list[list[Rollout]], tasks: list[tuple[str, Any]],
-                     limits: Any) -> list[list[ScoredRollout]]:
+    async def verify(self, groups: list[list[Rollout]]) -> list[list[ScoredRollout]]:
         scored: list[list[ScoredRollout | None]] = [[None] * len(g) for g in groups]
 
-        async def one(i: int, k: int, r: Rollout, spec: Any) -> None:
+        async def one(i: int, k: int, r: Rollout) -> None:
             domain = self.domains[r.domain]
-            async with limits.hold(domain.resource):
-                t0 = time.monotonic()
-                verdict = await domain.verify(spec, r.completion)
-            scored[i][k] = scored_from_verdict(r, verdict, verifier_id="sync-loop",
-                                               verify_s=time.monotonic() - t0, attempts=1)
+            async with self.limits.hold(domain.resource):
+                scored[i][k] = await verify_rollout(domain, r, verifier_id="sync-loop")
 
-        async with trio.open_nursery() as nursery:
-            for i, (group, (_, spec)) in enumerate(zip(groups, tasks, strict=True)):
-                for k, r in enumerate(group):
-                    nursery.start_soon(one, i, k, r, spec)
+        with self.phases.timing("verify"):
+            async with trio.open_nursery() as nursery:
+                for i, group in enumerate(groups):
+                    for k, r in enumerate(group):
+                        nursery.start_soon(one, i, k, r)
         return [[s for s in g if s is not None] for g in scored]
 
-    def train(self, batch: list[list[ScoredRollout]]) -> tuple[int, float]:
-        """One GRPO step and its checkpoint; returns (samples, busy seconds)."""
-        samples, _ = prepare_samples(batch, self.learner_cfg.advantage_norm)
-        figures = self.trainer.train_step(samples, self.version)
-        t0 = time.monotonic()
-        self.version += 1
-        self.checkpoint_path = ckpt.save_model_checkpoint(
-            ckpt.version_dir(self.root, self.version), model=self.trainer.model,
-            tokenizer_src=self.sft, version=self.version, step=self.version)
-        ckpt.prune_checkpoints(self.root, 2, (self.version,))
-        return len(samples), figures["compute_s"] + time.monotonic() - t0
+    async def train_in_thread(self, fn: Any, *args: Any) -> Any:
+        with self.phases.timing("train"):
+            return await trio.to_thread.run_sync(fn, *args)
 
-    # -- the loop -----------------------------------------------------------------------
-
-    async def run(self, limits: Any, *, window_s: float,
-                  warmup_timeout_s: float) -> dict[str, float]:
-        deadline = time.time() + warmup_timeout_s
-        t_first: float | None = None
-        trained = generated = steps = stale = 0
-        busy = 0.0
-        usable: list[list[ScoredRollout]] = []
-        window_groups: list[tuple[str, list[float]]] = []
-        phases = PhaseClock()
-        cpu = CpuMeter()
-        while t_first is None or time.time() < t_first + window_s:
-            if t_first is None and time.time() > deadline:
-                raise SystemExit(f"sync: no policy version within {warmup_timeout_s} s")
-            tasks = self.draw_tasks(self.s.groups_per_batch - len(usable))
-            with phases.timing("generate"):
-                generation = await self.generate(tasks)
-            with phases.timing("verify"):
-                groups = await self.verify(generation, tasks, limits)
-            for g in groups:
-                rewards = [s.reward for s in g]
-                informative = group_has_signal(rewards)
-                name, tier = g[0].rollout.domain, g[0].rollout.tier
-                self.signal[name] = updated_signal_rate(self.signal[name], informative)
-                self.curricula[name].record(tier, sum(rewards) / max(1, len(rewards)))
-                if group_has_signal(rewards, [sample_is_valid(s) for s in g]):
-                    usable.append(g)
-                if t_first is not None:
-                    window_groups.append((name, rewards))
-            if t_first is not None:
-                generated += sum(len(g) for g in groups)
-            if len(usable) < self.s.groups_per_batch:
-                continue
-            batch, extra = usable[: self.s.groups_per_batch], usable[self.s.groups_per_batch:]
-            usable = []
-            with phases.timing("train"):
-                n, step_busy = await trio.to_thread.run_sync(self.train, batch)
-            with phases.timing("load_weights"):
-                await self.client.update_weights_from_disk(str(self.checkpoint_path),
-                                                           weight_version=str(self.version))
-            if t_first is None:
-                t_first = time.time()
-                phases.reset()
-                cpu.start()
-                continue
-            if time.time() <= t_first + window_s:
-                trained, busy, steps, stale = trained + n, busy + step_busy, steps + 1, \
-                    stale + len(extra)
-        return {
-            "samples_per_s": trained / window_s,
-            "generated_per_s": generated / window_s,
-            "steps": float(steps),
-            "learner_idle": max(0.0, 1.0 - busy / window_s),
-            "stale_groups_dropped": float(stale),
-            "cpu_busy": cpu.busy_share(),
-            **phases.shares(),
-            **signal_shares(window_groups),
-        }
+    async def load_weights(self, weights: WeightsPublished) -> None:
+        with self.phases.timing("load_weights"):
+            await self.client.update_weights_from_disk(weights.path,
+                                                       weight_version=str(weights.version))

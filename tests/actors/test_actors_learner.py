@@ -17,9 +17,9 @@ from reinforge.actors.learner import (
     GroupBuffer,
     Learner,
     LearnerConfig,
-    prepare_samples,
     train_stats,
 )
+from reinforge.rl.samples import prepare_samples
 from reinforge.rl.trainer import Trainer, sequence_logprobs
 from reinforge.core import messages as m
 from reinforge.core import subjects

@@ -9,19 +9,14 @@ import signal
 import msgspec
 import pytest
 import trio
-from reinforge.actors.verifier import (
-    VerifierActor,
-    VerifierConfig,
-    resource_limits,
-    scored_from_verdict,
-    task_spec_of,
-)
+from reinforge.actors.verifier import VerifierActor, VerifierConfig, resource_limits
 from reinforge.core import messages as m
 from reinforge.core import subjects
 from reinforge.core.actor import run_actor
 from reinforge.core.bus import open_bus
 from reinforge.envs.domain import Check, DomainRegistry, Verdict
 from reinforge.envs.sandbox.pool import PoolConfig
+from reinforge.rl.samples import scored_from_verdict, task_spec_of
 
 VERIFIER = "reinforge.actors.verifier:VerifierActor"
 BAD = {
