@@ -57,7 +57,10 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     samples: int = 0
     """Completions per task (0: k); must be >= k."""
     heldout: HeldOutConfig = HeldOutConfig()
-    """The held-out sets (must match the scheduler's)."""
+    """The held-out sets; `[run]` (the scheduler never trains on them)."""
+    score_per_tier: int = 0
+    """Score at most this many of each tier's held-out tasks, the first ones (0: all): a
+    cheaper guard on a subset of the run's held-out sets."""
     thresholds: dict[str, float] = {}
     """Minimum pass@1 per domain; below it, the version is rolled back."""
     every_versions: int = 1
@@ -68,7 +71,8 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     server_start_timeout_s: float = 300.0
     request_timeout_s: float = 600.0
     max_new_tokens: int = 128
-    temperature: float = 1.0
+    eval_temperature: float = 1.0
+    """The evaluator's own sampling temperature (not the run's: greedy evaluation is 0)."""
     top_p: float = 1.0
     chat_template: bool = True
     """Wrap prompts in the tokenizer's chat template, as the sampler does."""
@@ -96,6 +100,19 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
 
 # ----------------------------------------------------------------------------- scoring
+
+
+def first_per_tier(sets: Mapping[str, Sequence[TaskSpec]], n: int) -> dict[str, list[TaskSpec]]:
+    """Each domain's first `n` tasks of every tier, in order (0: all of them)."""
+    out: dict[str, list[TaskSpec]] = {}
+    for domain, tasks in sets.items():
+        taken: dict[int, int] = {}
+        out[domain] = []
+        for task in tasks:
+            if not n or taken.get(task.tier, 0) < n:
+                taken[task.tier] = taken.get(task.tier, 0) + 1
+                out[domain].append(task)
+    return out
 
 
 class VersionGone(Exception):
@@ -240,7 +257,8 @@ class Evaluator(Actor):
         cfg: EvaluatorConfig = self.config
         self.registry = DomainRegistry.default()
         self.domains = {d: self.registry.get(d) for d in cfg.domains}
-        self.sets = build_heldout(self.registry, cfg.domains, cfg.heldout)
+        self.sets = first_per_tier(build_heldout(self.registry, cfg.domains, cfg.heldout),
+                                   cfg.score_per_tier)
         checker = ContaminationChecker(
             [(t.task_id, t.prompt) for ts in self.sets.values() for t in ts],
             n=cfg.contamination_n, min_overlap=cfg.contamination_min_overlap,
@@ -408,6 +426,6 @@ class Evaluator(Actor):
                                                            weight_version=str(msg.version))
             self.served_version = msg.version
         return ServerSource(self.client, self.tokenizer, max_new_tokens=cfg.max_new_tokens,
-                            temperature=cfg.temperature, top_p=cfg.top_p,
+                            temperature=cfg.eval_temperature, top_p=cfg.top_p,
                             chat_template=cfg.chat_template)
 

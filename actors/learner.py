@@ -1,7 +1,7 @@
 """The learner actor: scored rollouts in, GRPO updates, checkpointed weight versions out.
 
 Dataflow: durable `rl.<run>.scored.*` (manual ack) -> `GroupBuffer` (by task_id until
-`group_size` samples arrived) -> batches of `groups_per_batch` groups with signal ->
+`group_size` samples arrived) -> batches of `groups_per_version` groups with signal ->
 `Trainer.train_step` (in a worker thread) -> atomic checkpoint `v<version>` (weights,
 optimizer, step, rng, ledger) -> `WeightsPublished` on `rl.<run>.weights` -> ack of the
 batch's deliveries -> `TrainStats` on `rl.<run>.stats.learner`.
@@ -45,6 +45,7 @@ from reinforge.rl.curriculum import group_has_signal
 from reinforge.rl.grpo import AdvantageNorm, is_too_stale, staleness
 from reinforge.rl.samples import prepare_samples, sample_is_valid
 from reinforge.core import paths, subjects
+from reinforge.core.cluster import RUN_DEFAULTS
 from reinforge.core.actor import Actor, Input, Ticket, ack_all
 from reinforge.core.messages import (
     Rollback,
@@ -64,10 +65,10 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Frozen reference for the KL term; default: `model`. Loaded only when kl_coef > 0."""
     domains: str = "*"
     """Subject token of the scored rollouts to learn from (`*` = every domain)."""
-    groups_per_batch: int = 4
-    """Complete groups (with signal) per optimizer step = per published version."""
-    group_size: int = 0
-    """Samples per group; 0 takes each rollout's own `group_size`."""
+    groups_per_version: int = RUN_DEFAULTS.groups_per_version
+    """Complete groups (with signal) per optimizer step = per published version; `[run]`."""
+    group_size: int = RUN_DEFAULTS.group_size
+    """Samples per group; `[run]` (0 takes each rollout's own `group_size`)."""
     micro_batch_size: int = 8
     """Sequences per forward/backward pass (gradients are accumulated over a batch)."""
     learning_rate: float = 1e-5
@@ -91,12 +92,13 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     logp_behaviour| exceeds this."""
     kl_coef: float = 0.0
     """Weight of the k3 KL to the frozen reference (0: no reference model is loaded)."""
-    temperature: float = 1.0
-    """The samplers' temperature: logprobs are log_softmax(logits / T) (use 1.0 for greedy)."""
+    temperature: float = RUN_DEFAULTS.temperature
+    """The samplers' temperature, `[run]`: logprobs are log_softmax(logits / T) (T = 1 where
+    sampling is greedy)."""
     advantage_norm: AdvantageNorm = AdvantageNorm.DOMAIN_STD
     """group_std (DeepSeekMath), domain_std (per-domain batch std), none (Dr. GRPO)."""
-    max_staleness: int = 4
-    """Groups generated more than this many versions ago are dropped (and counted)."""
+    max_staleness: int = RUN_DEFAULTS.max_staleness
+    """Groups generated more than this many versions ago are dropped (and counted); `[run]`."""
     keep_last: int = 3
     """Complete checkpoints kept on disk (the newest one is never deleted)."""
     keep_every: int = 0
@@ -116,7 +118,7 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("groups_per_batch", "micro_batch_size", "keep_last", "torch_threads",
+        for name in ("groups_per_version", "micro_batch_size", "keep_last", "torch_threads",
                      "max_deliver", "max_pending_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"learner config: {name} must be >= 1, got {getattr(self, name)}")
@@ -131,9 +133,9 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                 or self.incomplete_group_timeout_s <= 0):
             raise ValueError("learner config: learning_rate, temperature, ack_wait_s and "
                              "incomplete_group_timeout_s must be > 0")
-        if self.group_size and self.groups_per_batch * self.group_size > self.max_pending_samples:
+        if self.group_size and self.groups_per_version * self.group_size > self.max_pending_samples:
             raise ValueError(
-                f"learner config: a batch of {self.groups_per_batch} x {self.group_size} samples "
+                f"learner config: a batch of {self.groups_per_version} x {self.group_size} samples "
                 f"exceeds max_pending_samples={self.max_pending_samples}: it could never fill"
             )
 
@@ -412,12 +414,12 @@ class Learner(Actor):
                         await self._train_and_commit(batch, wait_s)
 
     async def _next_batch(self) -> list[Group] | None:
-        """Wait for `groups_per_batch` usable groups; drop stale ones and skip silent ones.
+        """Wait for `groups_per_version` usable groups; drop stale ones and skip silent ones.
         None: a rollback is pending (the groups gathered so far go back to the queue)."""
         cfg: LearnerConfig = self.config
         usable: list[Group] = []
-        with self.ctx.waiting(f"{cfg.groups_per_batch} complete groups of scored rollouts"):
-            while len(usable) < cfg.groups_per_batch:
+        with self.ctx.waiting(f"{cfg.groups_per_version} complete groups of scored rollouts"):
+            while len(usable) < cfg.groups_per_version:
                 if self._rollback is not None:
                     self.buffer.ready.extendleft(reversed(usable))
                     return None

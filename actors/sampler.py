@@ -49,6 +49,7 @@ from reinforge.rl.prompts import task_prompt_ids
 from reinforge.rollout.server import BACKENDS, ServerProcess, ServerSpec
 from reinforge.envs.sandbox.owned import hold_sandbox_runner, sandbox_labels
 from reinforge.core import subjects
+from reinforge.core.cluster import RUN_DEFAULTS
 from reinforge.engine.tokenizer import load_tokenizer
 from reinforge.core.actor import Actor, Input, Reject, Retry
 from reinforge.core.messages import (
@@ -143,7 +144,8 @@ class SamplerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Task domains to take; [] = all (one input on task.*)."""
     concurrency: int = 4
     """Tasks (groups) being sampled at once."""
-    temperature: float = 1.0
+    temperature: float = RUN_DEFAULTS.temperature
+    """`[run]`: the learner computes its logprobs at the same temperature."""
     top_p: float = 1.0
     max_new_tokens: int = 128
     """Per sample (single-turn) or per turn (multi-turn)."""

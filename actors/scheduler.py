@@ -7,11 +7,11 @@ Dataflow:
         ^-- TrainStats / EvalStats (rl.<run>.stats.*): learner demand, eval thresholds
         ^-- Announce (ctl.<run>.announce): the domains verifiers serve (available, not scheduled)
 
-Decisions (pure, in `reinforge.rl.curriculum`): the domain by mixing weights x regression boosts with
-replay floors for critical domains; the tier where the predicted group pass rate gives the
-most learning signal; for recurring (file) tasks, the task itself. Flow control: in-flight
-tasks stay within `issue_budget` (learner demand x max staleness, each task counted by its
-domain's recent rate of groups with signal) and per-domain quotas.
+Decisions (pure, in `reinforge.rl.curriculum`): the domain by mixing weights x regression
+boosts with replay floors for critical domains; the tier where the predicted group pass rate
+gives the most learning signal; for recurring (file) tasks, the task itself. Flow control:
+in-flight tasks stay within `issue_budget` (learner demand x max staleness, each task counted
+by its domain's recent rate of groups with signal) and per-domain quotas.
 
 Leases: a task whose group is not complete within `lease_s` is reissued with attempt+1
 (priority over new tasks), up to `max_attempts`; JetStream already redelivers a task whose
@@ -69,6 +69,7 @@ from reinforge.rl.curriculum import (
 from reinforge.rl.evalsets import HeldOutConfig, build_heldout, fingerprint
 from reinforge.core import paths, subjects
 from reinforge.core.atomic import write_json_atomic
+from reinforge.core.cluster import RUN_DEFAULTS
 from reinforge.core.actor import Actor, Input
 from reinforge.core.messages import (
     Announce,
@@ -77,7 +78,6 @@ from reinforge.core.messages import (
     Rollback,
     ScoredRollout,
     Task,
-    TrainStats,
     WeightsPublished,
     decode,
     split_rollout_id,
@@ -99,17 +99,16 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """Per-domain evaluation thresholds; a domain below its threshold gets its weight
     multiplied by `regression_boost` until it recovers."""
     regression_boost: float = 3.0
-    group_size: int = 8
-    """Samples per task (G)."""
+    group_size: int = RUN_DEFAULTS.group_size
+    """Samples per task (G); `[run]`."""
     max_in_flight: int = 64
     """Hard cap on outstanding tasks (leases)."""
     max_in_flight_per_domain: dict[str, int] = {}
     """Per-domain quotas on outstanding tasks."""
-    groups_per_version: int = 16
-    """Groups the learner uses per policy version (a TrainStats figure `groups_per_step`
-    overrides it)."""
-    max_staleness: int = 2
-    """Versions a group may lag the policy; bounds how far issuance runs ahead."""
+    groups_per_version: int = RUN_DEFAULTS.groups_per_version
+    """Groups with signal the learner trains per policy version; `[run]`."""
+    max_staleness: int = RUN_DEFAULTS.max_staleness
+    """Versions a group may lag the policy; bounds how far issuance runs ahead; `[run]`."""
     min_signal_rate: float = 0.05
     """Floor on a domain's estimated rate of groups with signal, which the issue budget
     divides by: a domain whose groups never carry signal still counts (it cannot fill the
@@ -129,7 +128,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """domain -> JSONL file of recurring tasks (instead of the domain's generator)."""
     curriculum: CurriculumConfig = CurriculumConfig()
     heldout: HeldOutConfig = HeldOutConfig()
-    """Tasks held out for evaluation: never issued for training (must match the evaluator)."""
+    """Tasks held out for evaluation: never issued for training; `[run]` (the evaluator
+    scores the same)."""
     state_file: str = ""
     """Default: <run_dir>/scheduler_state.json."""
     mix_file: str = ""
@@ -215,8 +215,6 @@ class SchedulerState(msgspec.Struct, kw_only=True):
     """Issue sequence number: names tasks and seeds their draws."""
     version: int = 0
     done_since_version: int = 0
-    groups_per_version: int = 0
-    """Learner demand seen in TrainStats (0 = use the config)."""
     available: list[str] = []
     """Domains some verifier announced (sorted): trainable if the mix names them."""
     attached: dict[str, float] = {}
@@ -470,11 +468,7 @@ class Scheduler(Actor):
         self._wakeup.set()
 
     async def on_stats(self, msg: Any) -> None:
-        if isinstance(msg, TrainStats):
-            groups = msg.figures.get("groups_per_step", 0)
-            if groups >= 1:
-                self.state.groups_per_version = int(groups)
-        elif isinstance(msg, EvalStats):
+        if isinstance(msg, EvalStats):
             self.state.eval_pass_at_1[msg.domain] = msg.pass_at_1
             self._dirty = True
 
@@ -562,7 +556,7 @@ class Scheduler(Actor):
         return issue_budget(
             in_flight=len(st.leases),
             max_in_flight=cfg.max_in_flight,
-            groups_per_version=st.groups_per_version or cfg.groups_per_version,
+            groups_per_version=cfg.groups_per_version,
             max_staleness=cfg.max_staleness,
             done_since_version=st.done_since_version,
             expected_in_flight=sum(self.signal_rate(lease.task.domain)
@@ -644,7 +638,7 @@ class Scheduler(Actor):
             return
         if now - self._stalled_since < cfg.stall_release_s:
             return
-        per_version = st.groups_per_version or cfg.groups_per_version
+        per_version = cfg.groups_per_version
         say(f"no new version for {now - self._stalled_since:.0f} s with nothing in flight and "
             f"{st.done_since_version} groups counted since v{st.version}: releasing "
             f"{per_version} groups of budget")

@@ -66,7 +66,13 @@ def cluster_config(run: str, run_dir: Path, sft: Path, args: argparse.Namespace)
     dlist = ", ".join(json.dumps(d) for d in DOMAINS)
     held = '{ tasks_per_tier = 2, tiers = [0] }'
     return f"""# Written by bench/chaos.py
-run = "{run}"
+[run]
+name = "{run}"
+group_size = 4
+groups_per_version = 1
+max_staleness = 2
+temperature = 1.0
+heldout = {held}
 
 [supervisor]
 healthy_timeout_s = 300
@@ -78,11 +84,11 @@ model = {json.dumps(str(sft))}
 
 [[actors]]
 spec = "reinforge.actors.scheduler:Scheduler"
-config = {{ domains = {{ {mix} }}, group_size = 4, max_in_flight = 4, groups_per_version = 1, max_staleness = 2, lease_s = {args.lease_s}, stall_release_s = 20.0, heldout = {held} }}
+config = {{ domains = {{ {mix} }}, max_in_flight = 4, lease_s = {args.lease_s}, stall_release_s = 20.0 }}
 
 [[actors]]
 spec = "reinforge.actors.sampler:SamplerActor"
-config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], max_new_tokens = 64, concurrency = 2, temperature = 1.0, sandbox = false, ack_wait_s = 20.0 }}
+config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], max_new_tokens = 64, concurrency = 2, sandbox = false, ack_wait_s = 20.0 }}
 
 [[actors]]
 spec = "reinforge.actors.verifier:VerifierActor"
@@ -90,11 +96,11 @@ config = {{ domains = [{dlist}], concurrency = 4, ack_wait_s = 15.0 }}
 
 [[actors]]
 spec = "reinforge.actors.learner:Learner"
-config = {{ model = {json.dumps(str(sft))}, checkpoint_dir = {json.dumps(str(run_dir / 'checkpoints'))}, groups_per_batch = 1, group_size = 4, learning_rate = 1e-5, torch_threads = 1, max_staleness = 2, keep_last = 2, ack_wait_s = 20.0, incomplete_group_timeout_s = 100.0 }}
+config = {{ model = {json.dumps(str(sft))}, checkpoint_dir = {json.dumps(str(run_dir / 'checkpoints'))}, learning_rate = 1e-5, torch_threads = 1, keep_last = 2, ack_wait_s = 20.0, incomplete_group_timeout_s = 100.0 }}
 
 [[actors]]
 spec = "reinforge.actors.evaluator:Evaluator"
-config = {{ domains = ["math"], k = 2, heldout = {held}, every_versions = 10, max_new_tokens = 48, concurrency = 2 }}
+config = {{ domains = ["math"], k = 2, every_versions = 10, max_new_tokens = 48, concurrency = 2 }}
 
 [[actors]]
 spec = "reinforge.actors.monitor:Monitor"

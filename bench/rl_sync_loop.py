@@ -44,7 +44,7 @@ class SyncSettings(msgspec.Struct, frozen=True, kw_only=True):
     """What the cluster config sets, for the baseline (see demo.cluster_config)."""
 
     group_size: int
-    groups_per_batch: int
+    groups_per_version: int
     learning_rate: float
     max_in_flight: int
     max_new_tokens: int
@@ -206,11 +206,11 @@ class SyncLoop:
         self.limits = limits
         self.tokenizer = load_tokenizer(sft)
         self.phases = PhaseClock()
-        learner_cfg = LearnerConfig(model=str(sft), groups_per_batch=settings.groups_per_batch,
+        learner_cfg = LearnerConfig(model=str(sft), groups_per_version=settings.groups_per_version,
                                     group_size=settings.group_size,
                                     learning_rate=settings.learning_rate, torch_threads=1)
         loop_settings = LoopSettings(
-            group_size=settings.group_size, groups_per_batch=settings.groups_per_batch,
+            group_size=settings.group_size, groups_per_version=settings.groups_per_version,
             max_in_flight=settings.max_in_flight,
             min_signal_rate=SchedulerConfig().min_signal_rate,
             advantage_norm=learner_cfg.advantage_norm)

@@ -98,7 +98,7 @@ def run_mode(mode: str, sft: Path, args: argparse.Namespace) -> dict[str, float]
     domains = [d for d in args.domains.split(",") if d]
     if mode == "sync":
         return run_sync_mode(sft, domains, run_dir, args)
-    cfg_args = argparse.Namespace(group_size=args.group_size, groups_per_batch=args.groups_per_batch,
+    cfg_args = argparse.Namespace(group_size=args.group_size, groups_per_version=args.groups_per_version,
                                   learning_rate=LEARNING_RATE, tis_cap=2.0)
     config = run_dir / "bench.toml"
     config.write_text(demo.cluster_config(run, run_dir, sft, domains, cfg_args,
@@ -132,7 +132,7 @@ def run_mode(mode: str, sft: Path, args: argparse.Namespace) -> dict[str, float]
 
 def run_sync_mode(sft: Path, domains: list[str], run_dir: Path,
                   args: argparse.Namespace) -> dict[str, float]:
-    settings = SyncSettings(group_size=args.group_size, groups_per_batch=args.groups_per_batch,
+    settings = SyncSettings(group_size=args.group_size, groups_per_version=args.groups_per_version,
                             learning_rate=LEARNING_RATE, max_in_flight=demo.MAX_IN_FLIGHT,
                             max_new_tokens=demo.MAX_NEW_TOKENS,
                             sandbox_pool_size=demo.SANDBOX_POOL_SIZE)
@@ -149,7 +149,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=1, help="sync+async pairs (medians reported)")
     p.add_argument("--domains", default=demo.DEFAULT_DOMAINS)
     p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--groups-per-batch", type=int, default=2)
+    p.add_argument("--groups-per-version", type=int, default=2)
     p.add_argument("--sft-steps", type=int, default=150)
     p.add_argument("--warmup-timeout", type=float, default=600.0)
     p.add_argument("--policy", default="tiny",

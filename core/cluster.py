@@ -1,7 +1,13 @@
 """What `reinforge up` reads: a TOML cluster config, decoded into typed Structs.
 
-    run = "smoke"                       # default run name (--run overrides)
     nats_url = ""                       # "" = start an embedded nats-server
+    [run]                               # what every actor of the run must agree on
+    name = "smoke"                      # default run name (--run overrides)
+    group_size = 8
+    groups_per_version = 4
+    max_staleness = 2
+    temperature = 1.0
+    heldout = { tasks_per_tier = 4 }
     [rollout_server]                    # optional: `reinforge serve` as a supervised child
     enabled = true
     model = ".reinforge/models/tiny"
@@ -13,7 +19,13 @@
     max_restarts = 5
 
 Unknown keys are errors that name the key; `--set actors.0.replicas=3` style overrides
-are applied before decoding.
+are applied before decoding. `run = "smoke"` (a name only) is read as `[run] name = "smoke"`.
+
+The `[run]` section is the one place for the settings actors must agree on (`RUN_SHARED`):
+each actor whose Config has such a field gets the run's value, so no actor keeps a default
+of its own. An actor's `config` may repeat a value; if it says something else, or two actors
+disagree while `[run]` is silent, `reinforge up` stops before starting anything and names
+each contradiction.
 """
 
 from __future__ import annotations
@@ -73,8 +85,44 @@ class SupervisorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     """On `down`, how long children get to finish in-flight work before SIGKILL."""
 
 
+class RunSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`[run]`: the run's name and what its actors must agree on."""
+
+    name: str = "default"
+    group_size: int = 8
+    """Samples per task (one GRPO group): the sampler draws them, the learner groups them."""
+    groups_per_version: int = 4
+    """Groups with signal per learner step (one step = one policy version); the scheduler's
+    budget is counted in them."""
+    max_staleness: int = 2
+    """How many versions behind the learner a sample's policy may be: the scheduler issues
+    no further ahead, the learner drops older samples."""
+    temperature: float = 1.0
+    """Sampling temperature: the sampler samples at it, the learner's logprobs (its
+    importance ratio) are computed at it."""
+    heldout: dict[str, Any] = {}
+    """The held-out sets (HeldOutConfig fields): the scheduler never trains on them, the
+    evaluator scores them."""
+
+    def __post_init__(self) -> None:
+        for name in ("group_size", "groups_per_version"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"[run] {name} must be >= 1, got {getattr(self, name)}")
+        if self.max_staleness < 0:
+            raise ValueError(f"[run] max_staleness must be >= 0, got {self.max_staleness}")
+        if self.temperature < 0:
+            raise ValueError(f"[run] temperature must be >= 0, got {self.temperature}")
+
+
+RUN_DEFAULTS = RunSettings()
+"""Where an actor's Config takes its default for a shared field from: one default each."""
+
+RUN_SHARED = ("group_size", "groups_per_version", "max_staleness", "temperature", "heldout")
+"""The `[run]` fields an actor's Config may have: each gets the run's value."""
+
+
 class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    run: str = "default"
+    run: RunSettings = RunSettings()
     nats_url: str = ""
     """An existing NATS server to join instead of starting one (then `nats_creds` too)."""
     nats_creds: str = ""
@@ -89,20 +137,87 @@ def load_cluster_config(
 ) -> ClusterConfig:
     """Read and check a cluster config; raise ConfigError naming what is wrong."""
     data: dict[str, Any] = cfg.load_toml(path) if path else {}
+    if isinstance(data.get("run"), str):
+        data["run"] = {"name": data["run"]}
     data = _apply_overrides(data, cfg.parse_overrides(list(overrides)))
     if run:
-        data["run"] = run
+        data["run"] = {**data.get("run", {}), "name": run}
     where = str(path) if path else "config"
     try:
         config = msgspec.convert(data, ClusterConfig, strict=False)
     except (msgspec.ValidationError, ValueError) as exc:
         raise cfg.ConfigError(f"{where}: {exc}") from None
     try:
-        subjects.check_token(config.run, "run name")
+        subjects.check_token(config.run.name, "run name")
     except ValueError as exc:
         raise cfg.ConfigError(f"{where}: {exc}") from None
+    config = with_run_settings(config, set(data.get("run", {})), where)
     check_actor_configs(config, where)
     return config
+
+
+def with_run_settings(config: ClusterConfig, stated: set[str], where: str) -> ClusterConfig:
+    """Every actor's config with the run's value of each `RUN_SHARED` field its Config has.
+
+    A value is the one `[run]` states (the keys in `stated`), else the one the actors that
+    set it agree on, else `[run]`'s default. Raises ConfigError naming every contradiction."""
+    from reinforge.core.registry import SpecError, resolve
+
+    fields: list[set[str]] = []
+    for i, actor in enumerate(config.actors):
+        try:
+            cls = resolve(actor.spec)
+        except SpecError as exc:
+            raise cfg.ConfigError(f"{where}: actors[{i}]: {exc}") from None
+        fields.append({f.name for f in msgspec.structs.fields(cls.Config)} & set(RUN_SHARED))
+    values, problems = {}, []
+    for name in RUN_SHARED:
+        said = [(f"actors[{i}] ({a.spec})", _run_value(name, a.config[name], where))
+                for i, a in enumerate(config.actors) if name in a.config and name in fields[i]]
+        if name in stated:
+            said.insert(0, ("[run]", getattr(config.run, name)))
+        if len({msgspec.json.encode(v) for _, v in said}) > 1:
+            problems.append(f"{name}: " + ", ".join(f"{who} says {v!r}" for who, v in said)
+                            + " (set it once, in [run])")
+        values[name] = said[0][1] if said else getattr(config.run, name)
+    if problems:
+        raise cfg.ConfigError(f"{where}: the actors disagree on run settings:\n  "
+                              + "\n  ".join(problems))
+    run = msgspec.structs.replace(config.run, **values)
+    actors = [msgspec.structs.replace(a, config={**a.config, **{n: values[n] for n in fields[i]}})
+              for i, a in enumerate(config.actors)]
+    return msgspec.structs.replace(config, run=run, actors=actors)
+
+
+def actor_in_run(run: RunSettings, actor: ActorSpec, where: str = "attach") -> ActorSpec:
+    """An actor joining a running run: its config with the run's shared values (what the
+    run stated is final: a different value is a ConfigError)."""
+    joined = ClusterConfig(run=run, actors=[actor])
+    return with_run_settings(joined, set(RUN_SHARED), where).actors[0]
+
+
+def run_settings_path(run_dir: Path) -> Path:
+    return run_dir / "run.json"
+
+
+def read_run_settings(run_dir: Path) -> RunSettings:
+    """The settings `reinforge up` wrote for this run (defaults named after the run's folder
+    when it wrote none: actors started by hand)."""
+    path = run_settings_path(run_dir)
+    if not path.exists():
+        return RunSettings(name=run_dir.name)
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=RunSettings)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise cfg.ConfigError(f"{path} is unreadable: {exc}") from None
+
+
+def _run_value(name: str, value: Any, where: str) -> Any:
+    """`value` as `[run]`'s `name` field types it (an override arrives as a string)."""
+    try:
+        return getattr(msgspec.convert({name: value}, RunSettings, strict=False), name)
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise cfg.ConfigError(f"{where}: {exc}") from None
 
 
 def _apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from reinforge.rollout.command import serve_argv
 from reinforge.core import paths, subjects
 from reinforge.core.atomic import write_json_atomic
 from reinforge.core.bus import Bus, open_bus
-from reinforge.core.cluster import ActorSpec, ClusterConfig, config_to_overrides
+from reinforge.core.cluster import ActorSpec, ClusterConfig, actor_in_run, config_to_overrides
 from reinforge.core.messages import (
     ActorStatus,
     Announce,
@@ -406,8 +406,9 @@ class Supervisor:
                     cls = resolve(req.spec)
                     overrides = [f"{k}={v}" for k, v in req.overrides.items()]
                     cfg.convert(cfg.parse_overrides(overrides), cls.Config, where=req.spec)
-                    spec = ActorSpec(spec=req.spec, replicas=req.replicas,
-                                     config=cfg.parse_overrides(overrides))
+                    asked = ActorSpec(spec=req.spec, replicas=req.replicas,
+                                      config=cfg.parse_overrides(overrides))
+                    spec = actor_in_run(self.config.run, asked)
                     existing = sum(1 for c in self.children
                                    if c.name.startswith(f"{cls.actor_type}-"))
                     self.add_children(self.actor_children(spec, start_index=existing))

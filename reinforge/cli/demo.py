@@ -46,7 +46,7 @@ def register(subparsers: Any) -> None:
                    help=f"comma-separated domains (default: {DEFAULT_DOMAINS})")
     p.add_argument("--group-size", type=int, default=4, help="samples per task (GRPO group)")
     p.add_argument("--learning-rate", type=float, default=1e-4)
-    p.add_argument("--groups-per-batch", type=int, default=2,
+    p.add_argument("--groups-per-version", type=int, default=2,
                    help="groups with signal per learner step (one step = one version)")
     p.add_argument("--eval-k", type=int, default=4)
     p.add_argument("--eval-tasks-per-tier", type=int, default=20)
@@ -126,32 +126,38 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
     actors take turns (generate, verify, train, each waiting for the last): the synchronous
     baseline of `bench/rl_throughput.py`.
 
-    The scheduler never trains on the first `heldout_per_tier` held-out tasks of each tier
-    (the demo's before/after evaluation uses exactly those). `guard` (domain -> minimum
-    pass@1) adds the evaluator: every `args.guard_every` versions it scores the policy on
-    a subset of those held-out tasks and rolls back a version that falls below its floor."""
+    `[run]` holds what the actors share. The scheduler never trains on the first
+    `heldout_per_tier` held-out tasks of each tier (the demo's before/after evaluation uses
+    exactly those). `guard` (domain -> minimum pass@1) adds the evaluator: every
+    `args.guard_every` versions it scores the policy on the first GUARD_TASKS_PER_TIER of
+    those held-out tasks and rolls back a version that falls below its floor."""
     mix = ", ".join(f"{d} = 1.0" for d in domains)
     dlist = ", ".join(json.dumps(d) for d in domains)
     ckpt = run_dir / "checkpoints"
-    heldout = f"heldout = {{ tasks_per_tier = {heldout_per_tier} }}"
     evaluator = "" if guard is None else f"""
 [[actors]]
 spec = "reinforge.actors.evaluator:Evaluator"
-config = {{ domains = [{dlist}], k = 2, every_versions = {args.guard_every}, heldout = {{ tasks_per_tier = {min(GUARD_TASKS_PER_TIER, heldout_per_tier)} }}, thresholds = {{ {", ".join(f"{d} = {v:.4f}" for d, v in guard.items())} }}, max_new_tokens = {MAX_NEW_TOKENS}, concurrency = 2, sandbox_pool_size = 1 }}
+config = {{ domains = [{dlist}], k = 2, every_versions = {args.guard_every}, score_per_tier = {GUARD_TASKS_PER_TIER}, thresholds = {{ {", ".join(f"{d} = {v:.4f}" for d, v in guard.items())} }}, max_new_tokens = {MAX_NEW_TOKENS}, concurrency = 2, sandbox_pool_size = 1 }}
 """
     return f"""# Written by `reinforge demo`; `reinforge up {run_dir / 'demo.toml'}` runs it again.
-run = "{run}"
+[run]
+name = "{run}"
+group_size = {args.group_size}
+groups_per_version = {args.groups_per_version}
+max_staleness = {max_staleness}
+temperature = 1.0
+heldout = {{ tasks_per_tier = {heldout_per_tier} }}
 
 [supervisor]
 healthy_timeout_s = 300
 
 [[actors]]
 spec = "reinforge.actors.scheduler:Scheduler"
-config = {{ domains = {{ {mix} }}, group_size = {args.group_size}, max_in_flight = {MAX_IN_FLIGHT}, groups_per_version = {args.groups_per_batch}, max_staleness = {max_staleness}, {heldout} }}
+config = {{ domains = {{ {mix} }}, max_in_flight = {MAX_IN_FLIGHT} }}
 
 [[actors]]
 spec = "reinforge.actors.sampler:SamplerActor"
-config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], max_new_tokens = {MAX_NEW_TOKENS}, concurrency = {SAMPLER_CONCURRENCY}, temperature = 1.0, sandbox = false }}
+config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], max_new_tokens = {MAX_NEW_TOKENS}, concurrency = {SAMPLER_CONCURRENCY}, sandbox = false }}
 
 [[actors]]
 spec = "reinforge.actors.verifier:VerifierActor"
@@ -159,7 +165,7 @@ config = {{ domains = [{dlist}], sandbox_pool_size = {SANDBOX_POOL_SIZE} }}
 
 [[actors]]
 spec = "reinforge.actors.learner:Learner"
-config = {{ model = {json.dumps(str(sft))}, checkpoint_dir = {json.dumps(str(ckpt))}, groups_per_batch = {args.groups_per_batch}, group_size = {args.group_size}, learning_rate = {args.learning_rate}, tis_cap = {args.tis_cap}, torch_threads = 1, max_staleness = {max_staleness}, keep_last = 2, keep_every = {args.guard_every if guard is not None else 0} }}
+config = {{ model = {json.dumps(str(sft))}, checkpoint_dir = {json.dumps(str(ckpt))}, learning_rate = {args.learning_rate}, tis_cap = {args.tis_cap}, torch_threads = 1, keep_last = 2, keep_every = {args.guard_every if guard is not None else 0} }}
 
 [[actors]]
 spec = "reinforge.actors.monitor:Monitor"

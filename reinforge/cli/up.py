@@ -62,7 +62,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         config = load_cluster_config(args.config, args.overrides, args.run)
     except ConfigError as exc:
         raise UserError(str(exc)) from None
-    run = config.run
+    run = config.run.name
     run_dir = paths.run_dir(run)
     pid = live_pid(run_dir / "supervisor.json")
     if pid:
@@ -78,9 +78,11 @@ def up_foreground(config: Any) -> int:
 
     from reinforge.core import paths
     from reinforge.core.natsd import EmbeddedNats, NatsCredentials
+    from reinforge.core.atomic import write_json_atomic
+    from reinforge.core.cluster import run_settings_path
     from reinforge.core.supervisor import RunStopped, Supervisor, write_pidfile
 
-    run = config.run
+    run = config.run.name
     run_dir = paths.run_dir(run)
     run_dir.mkdir(parents=True, exist_ok=True)
     os.environ[RUN_ENV] = run  # inherited by nats-server too, so `down` can find it
@@ -94,6 +96,7 @@ def up_foreground(config: Any) -> int:
         nats = EmbeddedNats(data_dir=run_dir / "nats").start()
         creds = nats.credentials
     creds.write(creds_file)
+    write_json_atomic(run_settings_path(run_dir), config.run)  # what `attach` joins
     write_pidfile(run_dir / "supervisor.json", run=run)
     supervisor = Supervisor(config, run=run, creds=creds, creds_file=creds_file, nats=nats)
     code = 0
@@ -116,7 +119,7 @@ def up_detached(args: argparse.Namespace, config: Any) -> int:
     from reinforge.core import paths
     from reinforge.core.supervisor import log_tail
 
-    run = config.run
+    run = config.run.name
     run_dir = paths.run_dir(run)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / "nats.json").unlink(missing_ok=True)
@@ -290,8 +293,8 @@ def cmd_attach(args: argparse.Namespace) -> int:
     from reinforge.cli import UserError
     from reinforge.core import paths, subjects
     from reinforge.cli.actor import build_actor, load_creds
-    from reinforge.core.cluster import ActorSpec, ClusterConfig
-    from reinforge.core.config import parse_overrides
+    from reinforge.core.cluster import ActorSpec, ClusterConfig, actor_in_run, read_run_settings
+    from reinforge.core.config import ConfigError, parse_overrides
 
     run = subjects.check_token(args.run, "run name")
     if args.replicas < 1:
@@ -315,8 +318,13 @@ def cmd_attach(args: argparse.Namespace) -> int:
     from reinforge.core.supervisor import Supervisor
 
     os.environ[RUN_ENV] = run
-    config = ClusterConfig(run=run, actors=[ActorSpec(
-        spec=args.spec, replicas=args.replicas, config=parse_overrides(args.overrides))])
+    settings = read_run_settings(paths.run_dir(run))
+    try:
+        actor = actor_in_run(settings, ActorSpec(spec=args.spec, replicas=args.replicas,
+                                                 config=parse_overrides(args.overrides)))
+    except ConfigError as exc:
+        raise UserError(str(exc)) from None
+    config = ClusterConfig(run=settings, actors=[actor])
     creds_file = paths.creds_path(run) if not args.creds or "://" in args.creds \
         else Path(args.creds)
     supervisor = Supervisor(config, run=run, creds=creds, creds_file=creds_file, role="attach")

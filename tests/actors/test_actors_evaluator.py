@@ -348,3 +348,16 @@ def test_a_version_pruned_before_its_turn_is_skipped_and_counted_not_retried(
     figures = trio.run(main)
     skipped = next(f for f in figures if f.get("skipped_versions") == 1.0)
     assert skipped["evaluated_versions"] == 0.0  # no server was started for it
+
+
+def test_scoring_the_first_n_per_tier_is_the_held_out_set_of_n_per_tier():
+    """The guard scores a subset of the run's held-out sets: exactly the smaller set."""
+    from reinforge.actors.evaluator import first_per_tier
+
+    registry = DomainRegistry.default()
+    wide = build_heldout(registry, ["math", "code"], HeldOutConfig(tasks_per_tier=20))
+    narrow = build_heldout(registry, ["math", "code"], HeldOutConfig(tasks_per_tier=4))
+    subset = first_per_tier(wide, 4)
+    assert {d: [t.task_id for t in ts] for d, ts in subset.items()} == {
+        d: [t.task_id for t in ts] for d, ts in narrow.items()}
+    assert first_per_tier(wide, 0) == {d: list(ts) for d, ts in wide.items()}

@@ -81,8 +81,9 @@ def test_prepare_samples_masks_infra_errors_and_reports_rewards_per_domain():
 
 
 def make_config(model_dir, tmp_path, **kw):
-    base = {"model": str(model_dir), "checkpoint_dir": str(tmp_path / "ckpt"),
-            "groups_per_batch": 2, "learning_rate": 1e-3, "torch_threads": 1, "ack_wait_s": 30.0}
+    # group_size 0: each group is as large as its rollouts say (the tests make several sizes)
+    base = {"model": str(model_dir), "checkpoint_dir": str(tmp_path / "ckpt"), "group_size": 0,
+            "groups_per_version": 2, "learning_rate": 1e-3, "torch_threads": 1, "ack_wait_s": 30.0}
     base.update(kw)
     return LearnerConfig(**base)
 
@@ -354,7 +355,7 @@ def test_the_learner_publishes_three_versions_from_rollouts_tagged_with_their_ve
                                                   config=cfg))
             path, version = tiny_model_dir, 0
             for _ in range(3):
-                for k in range(cfg.groups_per_batch):  # sample from the policy the learner has
+                for k in range(cfg.groups_per_version):  # sample from the policy the learner has
                     group = await trio.to_thread.run_sync(functools.partial(
                         generate_group, path, task_id=f"v{version}-t{k}", version=version,
                         seed=version * 10 + k))
@@ -391,7 +392,7 @@ def test_the_learner_publishes_three_versions_from_rollouts_tagged_with_their_ve
 def test_a_restarted_learner_resumes_and_skips_what_its_checkpoint_consumed(
     creds, run_name, tiny_model_dir, tmp_path
 ):
-    cfg = make_config(tiny_model_dir, tmp_path, groups_per_batch=1, max_staleness=0)
+    cfg = make_config(tiny_model_dir, tmp_path, groups_per_version=1, max_staleness=0)
     group_a = synthetic_group("a", [1.0, 0.0, 0.0, 1.0], version=0)
     group_b = synthetic_group("b", [0.0, 1.0, 1.0, 1.0], version=1)
     group_c = synthetic_group("c", [0.0, 1.0, 0.0, 0.0], version=0)  # stale at version 1
@@ -454,7 +455,8 @@ def test_a_learner_killed_with_a_partial_group_loses_nothing_and_counts_nothing_
     ck = tmp_path / "ckpt"
     args = ("actor", "run", "reinforge.actors.learner:Learner", "--run", run_name, "--creds",
             str(creds_file), "--set", f"model={tiny_model_dir}", "--set", f"checkpoint_dir={ck}",
-            "--set", "groups_per_batch=1", "--set", "ack_wait_s=3", "--set", "torch_threads=1")
+            "--set", "groups_per_version=1", "--set", "group_size=0", "--set", "ack_wait_s=3",
+            "--set", "torch_threads=1")
     group_a = synthetic_group("a", [1.0, 0.0, 0.0, 1.0], version=0)
     group_b = synthetic_group("b", [0.0, 1.0, 1.0, 1.0], version=1)
 
@@ -489,7 +491,7 @@ def test_a_learner_killed_with_a_partial_group_loses_nothing_and_counts_nothing_
 def test_the_learner_follows_a_rollback_and_drops_groups_of_the_rolled_back_policy(
     creds, run_name, tiny_model_dir, tmp_path
 ):
-    cfg = make_config(tiny_model_dir, tmp_path, groups_per_batch=1, keep_last=5)
+    cfg = make_config(tiny_model_dir, tmp_path, groups_per_version=1, keep_last=5)
     group_a = synthetic_group("a", [1.0, 0.0, 0.0, 1.0], version=0)
     group_b = synthetic_group("b", [0.0, 1.0, 1.0, 1.0], version=1)
     from_bad = synthetic_group("bad", [0.0, 1.0, 0.0, 0.0], version=2)  # made by rolled-back v2
@@ -551,7 +553,7 @@ def test_the_learner_follows_a_rollback_and_drops_groups_of_the_rolled_back_poli
 def test_a_dropped_group_is_journaled_before_its_ack_and_reaches_the_next_checkpoint(
     creds, run_name, tiny_model_dir, tmp_path
 ):
-    cfg = make_config(tiny_model_dir, tmp_path, groups_per_batch=1)
+    cfg = make_config(tiny_model_dir, tmp_path, groups_per_version=1)
     silent = synthetic_group("silent", [0.0, 0.0, 0.0, 0.0], version=0)  # no signal
     useful = synthetic_group("useful", [1.0, 0.0, 1.0, 0.0], version=0)
     journal = DecisionJournal(Path(cfg.checkpoint_dir) / DecisionJournal.NAME)
@@ -587,7 +589,7 @@ def test_a_dropped_group_is_journaled_before_its_ack_and_reaches_the_next_checkp
 def test_a_group_that_never_completes_is_dropped_as_incomplete_and_its_deliveries_acked(
     creds, run_name, tiny_model_dir, tmp_path
 ):
-    cfg = make_config(tiny_model_dir, tmp_path, groups_per_batch=1,
+    cfg = make_config(tiny_model_dir, tmp_path, groups_per_version=1,
                       incomplete_group_timeout_s=1.0)
     half = synthetic_group("half", [1.0, 0.0, 1.0, 0.0], version=0)[:2]  # 2 of 4 ever come
     journal = DecisionJournal(Path(cfg.checkpoint_dir) / DecisionJournal.NAME)

@@ -336,7 +336,9 @@ def pretend_saved_earlier(path: Path, by_s: float) -> None:
 def test_an_announced_domain_is_only_available_until_the_mix_file_gives_it_a_weight(
     creds, run_name, tmp_path
 ):
-    cfg = config(tmp_path, domains={"math": 1.0}, group_size=2, max_in_flight=2)
+    # no learner here: a budget as large as the tasks the test answers
+    cfg = config(tmp_path, domains={"math": 1.0}, group_size=2, max_in_flight=2,
+                 groups_per_version=100)
 
     async def main():
         async with open_bus(creds) as bus, scheduler(creds, run_name, cfg):

@@ -131,7 +131,8 @@ def test_replaying_a_learner_and_a_scheduler_leaves_every_file_of_the_live_run_a
     live_run = live_home / run_name
     # As `reinforge demo` configures it: the checkpoint directory named inside the run's.
     learner = LearnerConfig(model=str(tiny_model), checkpoint_dir=str(live_run / "checkpoints"),
-                            groups_per_batch=1, learning_rate=1e-3, torch_threads=1,
+                            groups_per_version=1, group_size=0, learning_rate=1e-3,
+                            torch_threads=1,
                             ack_wait_s=30.0)
 
     async def main():

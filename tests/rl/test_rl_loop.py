@@ -38,7 +38,7 @@ INFRA = None
 
 
 def loop_settings(**overrides) -> LoopSettings:
-    base = {"group_size": 4, "groups_per_batch": 2, "max_in_flight": 3, "min_signal_rate": 0.05,
+    base = {"group_size": 4, "groups_per_version": 2, "max_in_flight": 3, "min_signal_rate": 0.05,
             "advantage_norm": AdvantageNorm.GROUP_STD}
     return LoopSettings(**{**base, **overrides})
 
