@@ -32,7 +32,7 @@ def write_atomic(path: str | Path, data: bytes, *, mode: int = 0o644) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    sync_directory(path.parent)
+    fsync_path(path.parent)
 
 
 def write_json_atomic(path: str | Path, obj: Any, *, mode: int = 0o644) -> None:
@@ -40,8 +40,9 @@ def write_json_atomic(path: str | Path, obj: Any, *, mode: int = 0o644) -> None:
     write_atomic(path, msgspec.json.encode(obj), mode=mode)
 
 
-def sync_directory(path: str | Path) -> None:
-    """fsync a directory, so the names created or renamed in it are on disk."""
+def fsync_path(path: str | Path) -> None:
+    """fsync a file or a directory (a directory: so the names created or renamed in it are
+    on disk)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -22,10 +22,10 @@ import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import msgspec
+from reinforge.core.atomic import write_atomic
 from reinforge.engine.api import (
     AbortRequest,
     GenerateRequest,
@@ -575,10 +575,8 @@ def serve(
             f"(kv {engine.pool.kind} via {engine.pool.ops.name})",
             flush=True,
         )
-        if port_file:
-            tmp = Path(port_file).with_suffix(".tmp")
-            tmp.write_text(str(bound))
-            tmp.replace(port_file)
+        if port_file:  # whoever waits for it reads the whole number or nothing
+            write_atomic(port_file, str(bound).encode())
         try:
             await hypercorn_serve(build_app(state), config)
         finally:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from reinforge.core.atomic import fsync_path
 
 MANIFEST = "reinforge_manifest.json"
 TRAINER_STATE = "trainer_state.pt"
@@ -74,14 +75,6 @@ def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
     return copied
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_atomic_dir(
     final: str | Path, fill: Callable[[Path], None], manifest: Manifest, *, replace: bool = False
 ) -> Path:
@@ -102,7 +95,7 @@ def write_atomic_dir(
         files = {}
         for path in sorted(tmp.rglob("*")):
             if path.is_file():
-                _fsync_path(path)
+                fsync_path(path)
                 files[str(path.relative_to(tmp))] = path.stat().st_size
         manifest = msgspec.structs.replace(
             manifest, files=files, created_at=manifest.created_at or time.time()
@@ -111,13 +104,13 @@ def write_atomic_dir(
             f.write(msgspec.json.format(msgspec.json.encode(manifest), indent=2) + b"\n")
             f.flush()
             os.fsync(f.fileno())
-        _fsync_path(tmp)
+        fsync_path(tmp)
         old = None
         if final.exists():
             old = parent / f".tmp-old-{final.name}-{uuid.uuid4().hex[:8]}"
             os.rename(final, old)
         os.rename(tmp, final)
-        _fsync_path(parent)
+        fsync_path(parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
@@ -202,7 +195,7 @@ def delete_newer_checkpoints(root: str | Path, version: int) -> list[int]:
             break
         aside = root / f".tmp-rolledback-{path.name}-{uuid.uuid4().hex[:8]}"
         os.rename(path, aside)  # atomic: the version is gone before its files are
-        _fsync_path(root)
+        fsync_path(root)
         shutil.rmtree(aside, ignore_errors=True)
         deleted.append(v)
     return deleted
