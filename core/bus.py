@@ -44,6 +44,28 @@ class BusError(RuntimeError):
     """The bus could not do what was asked (after retries); the text says what."""
 
 
+class _NotReadyYet(Exception):
+    """JetStream answered, but the cluster cannot do it yet (still forming): retry."""
+
+
+# JetStream API error codes (nats-server's errors.json) that the stream set-up tells apart.
+_STREAM_NAME_IN_USE = 10058
+_NO_SUITABLE_PEERS = 10005  # a just-formed cluster whose peers have not all reported in
+_REPLICAS_NEED_CLUSTER = 10074
+
+
+def classify_stream_error(name: str, exc: nats.js.errors.APIError) -> str:
+    """What to do when creating stream `name` failed: "update" (it exists), "retry", or
+    raise a BusError that says why in the server's words."""
+    if exc.err_code == _STREAM_NAME_IN_USE:
+        return "update"
+    if exc.err_code == _NO_SUITABLE_PEERS:
+        return "retry"
+    hint = " (replicas > 1 needs a NATS cluster)" if exc.err_code == _REPLICAS_NEED_CLUSTER else ""
+    raise BusError(f"cannot create stream {name}: {exc.description} "
+                   f"(JetStream error {exc.err_code}){hint}") from exc
+
+
 class BusStatistics(msgspec.Struct, frozen=True, kw_only=True):
     published: int
     received: int
@@ -77,6 +99,7 @@ class Delivery:
     num_delivered: int
     timestamp: float
     _msg: Any = field(repr=False)
+    num_pending: int = 0  # matching messages the consumer had not yet delivered
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,12 +366,18 @@ class Bus:
         async def ensure() -> None:
             try:
                 await self._js.add_stream(config)
-            except nats.js.errors.BadRequestError:
+                return
+            except nats.js.errors.APIError as exc:
+                if classify_stream_error(name, exc) == "retry":
+                    raise _NotReadyYet(exc.description) from exc
+            try:
                 info = await self._js.stream_info(name)
-                have = info.config.num_replicas or 1
-                await self._js.update_stream(
-                    dataclasses.replace(config, num_replicas=max(have, replicas))
-                )
+            except nats.js.errors.NotFoundError as exc:  # deleted in between: start again
+                raise _NotReadyYet(f"stream {name} vanished") from exc
+            have = info.config.num_replicas or 1
+            await self._js.update_stream(
+                dataclasses.replace(config, num_replicas=max(have, replicas))
+            )
 
         await self.js_call(ensure, what=f"creating stream {name}")
         return name
@@ -363,7 +392,7 @@ class Bus:
             try:
                 return await self.aio(call)()
             except (nats.errors.TimeoutError, nats.errors.NoRespondersError,
-                    nats.js.errors.ServiceUnavailableError) as exc:
+                    nats.js.errors.ServiceUnavailableError, _NotReadyYet) as exc:
                 if trio.current_time() + delay > give_up:
                     raise BusError(f"{what}: JetStream did not answer within {deadline_s:g} s "
                                    f"({type(exc).__name__})") from exc
@@ -431,10 +460,14 @@ class Bus:
                     pass
 
     async def read_stream(
-        self, stream: str, *, filter_subject: str = "", start_seq: int = 1, batch: int = 512
+        self, stream: str, *, filter_subject: str = "", start_seq: int = 1, batch: int = 512,
+        stall_s: float = 30.0,
     ) -> AsyncIterator[Delivery]:
-        """Every stored message from `start_seq` on, in order (an ephemeral ordered read)."""
-        info = await self.stream_info(stream)
+        """Every message stored from `start_seq` on when the read starts, in order (an
+        ephemeral ordered read). An empty fetch is a wait, not the end: the read ends when
+        the consumer has nothing pending. If no message comes for `stall_s` (the cluster
+        lost the consumer, say) it raises BusError: a partial read never passes as whole."""
+        info = await self.js_call(lambda: self._js.stream_info(stream), what=f"reading {stream}")
         last = info.state.last_seq
         if last < start_seq:
             return
@@ -443,20 +476,33 @@ class Bus:
             deliver_policy=js_api.DeliverPolicy.BY_START_SEQUENCE,
             opt_start_seq=start_seq,
             filter_subject=filter_subject or None,
-            inactive_threshold=30.0,
+            inactive_threshold=max(30.0, stall_s),
         )
-        psub = await self.aio(self._js.pull_subscribe)(
-            filter_subject or ">", durable=None, stream=stream, config=config
+        psub = await self.js_call(
+            lambda: self._js.pull_subscribe(filter_subject or ">", durable=None, stream=stream,
+                                            config=config),
+            what=f"an ordered reader on {stream}",
         )
         consumer = PullConsumer(self, psub)
         try:
+            pending = await self.js_call(psub.consumer_info, what=f"reading {stream}")
+            if pending.num_pending == 0:
+                return
+            read_to, heard_at = start_seq - 1, trio.current_time()
             while True:
                 got = await consumer.fetch(batch, timeout_s=1.0)
                 if not got:
-                    return
+                    if trio.current_time() - heard_at > stall_s:
+                        raise BusError(f"reading {stream}: nothing after seq {read_to} for "
+                                       f"{stall_s:g} s, though it holds messages up to {last}")
+                    continue
+                heard_at = trio.current_time()
                 for d in got:
+                    if d.stream_seq <= read_to:  # a late answer to an expired fetch
+                        continue
+                    read_to = d.stream_seq
                     yield d
-                    if d.stream_seq >= last:
+                    if d.stream_seq >= last or d.num_pending == 0:
                         return
         finally:
             with trio.CancelScope(shield=True):
@@ -574,6 +620,7 @@ class PullConsumer:
                     num_delivered=md.num_delivered,
                     timestamp=md.timestamp.timestamp() if md.timestamp else 0.0,
                     _msg=m,
+                    num_pending=md.num_pending or 0,
                 )
             )
         self._bus.count("received", len(out))

@@ -1,13 +1,16 @@
 """The bus against a real nats-server: core pub/sub, durable publish, pull consumers."""
 
+import signal
 import threading
 
+import nats.js.api as js_api
+import nats.js.errors
 import pytest
 import trio
 
 from reinforge.core import messages as m
 from reinforge.core import subjects
-from reinforge.core.bus import BusError, open_bus
+from reinforge.core.bus import BusError, classify_stream_error, open_bus
 from reinforge.core.natsd import EmbeddedNats
 
 pytestmark = pytest.mark.nats
@@ -180,3 +183,101 @@ def test_the_last_stored_message_on_a_subject_can_be_read_back(creds, run_name):
             assert m.decode(last.data).version == 3
 
     trio.run(main)
+
+
+def _paused(server: EmbeddedNats, for_s: float) -> None:
+    """SIGSTOP the server now and SIGCONT it `for_s` later (a frozen host, not a crash)."""
+    server.proc.send_signal(signal.SIGSTOP)
+    threading.Timer(for_s, server.proc.send_signal, args=(signal.SIGCONT,)).start()
+
+
+async def _publish_echoes(bus, run: str, n: int) -> str:
+    stream = await bus.ensure_run_stream(run)
+    for i in range(n):
+        await bus.publish_durable(subjects.echo(run, "r"), m.Echo(seq=i), f"r{i}")
+    return stream
+
+
+@pytest.mark.slow
+def test_an_ordered_read_waits_out_a_server_pause_instead_of_ending_early(tmp_path, run_name):
+    # Before: the first empty fetch (1 s) ended the read, and the caller got a prefix of
+    # the stream as if it were all of it (the multi-host test's final count lost 525 of 600).
+    with EmbeddedNats(data_dir=tmp_path / "nats") as server:
+
+        async def main():
+            async with open_bus(server.credentials) as bus:
+                stream = await _publish_echoes(bus, run_name, 1000)
+                seqs = []
+                async for d in bus.read_stream(stream, batch=100):
+                    seqs.append(m.decode(d.data).seq)
+                    if len(seqs) == 100:
+                        _paused(server, 2.5)
+                assert seqs == list(range(1000))
+
+        trio.run(main)
+
+
+@pytest.mark.slow
+def test_an_ordered_read_that_cannot_go_on_raises_instead_of_returning_a_prefix(tmp_path,
+                                                                                run_name):
+    with EmbeddedNats(data_dir=tmp_path / "nats") as server:
+
+        async def main():
+            async with open_bus(server.credentials) as bus:
+                stream = await _publish_echoes(bus, run_name, 300)
+                seqs = []
+                with pytest.raises(BusError, match=r"nothing after seq 100 for 2 s.*up to 300"):
+                    async for d in bus.read_stream(stream, batch=100, stall_s=2.0):
+                        seqs.append(m.decode(d.data).seq)
+                        if len(seqs) == 100:
+                            _paused(server, 6.0)
+                assert seqs == list(range(100))
+
+        trio.run(main)
+
+
+def test_a_filtered_read_returns_only_its_subject_and_an_empty_one_returns_nothing(creds,
+                                                                                   run_name):
+    async def main():
+        async with open_bus(creds) as bus:
+            stream = await bus.ensure_run_stream(run_name)
+            for i in range(10):
+                await bus.publish_durable(subjects.echo(run_name, "a" if i % 3 else "b"),
+                                          m.Echo(seq=i), f"f{i}")
+            b = [m.decode(d.data).seq
+                 async for d in bus.read_stream(stream, filter_subject=subjects.echo(run_name, "b"))]
+            none = [d async for d in bus.read_stream(stream,
+                                                     filter_subject=subjects.echo(run_name, "c"))]
+            assert (b, none) == ([0, 3, 6, 9], [])
+
+    trio.run(main)
+
+
+def test_a_run_stream_whose_subjects_clash_is_refused_with_the_servers_reason(creds, run_name):
+    # Before: any 400 was read as "the stream exists", and the follow-up lookup failed with
+    # a bare "stream not found" that named neither the stream nor the cause.
+    async def main():
+        async with open_bus(creds) as bus:
+            clash = js_api.StreamConfig(name=f"CLASH-{run_name}",
+                                        subjects=[subjects.echo(run_name, ">")])
+            await bus.aio(bus._js.add_stream)(clash)
+            try:
+                with pytest.raises(BusError, match=r"cannot create stream .*subjects overlap"):
+                    await bus.ensure_run_stream(run_name)
+            finally:
+                await bus.aio(bus._js.delete_stream)(clash.name)
+
+    trio.run(main)
+
+
+def test_stream_set_up_errors_split_into_update_retry_and_a_clear_refusal():
+    """Unit test of the classification alone (the codes are nats-server's)."""
+
+    def error(err_code: int, description: str) -> nats.js.errors.APIError:
+        return nats.js.errors.BadRequestError(code=400, err_code=err_code,
+                                              description=description)
+
+    assert classify_stream_error("S", error(10058, "stream name already in use")) == "update"
+    assert classify_stream_error("S", error(10005, "no suitable peers for placement")) == "retry"
+    with pytest.raises(BusError, match=r"stream S: replicas > 1 not supported .*needs a NATS"):
+        classify_stream_error("S", error(10074, "replicas > 1 not supported in non-clustered mode"))
