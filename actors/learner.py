@@ -48,6 +48,8 @@ from reinforge.core import paths, subjects
 from reinforge.core.cluster import RUN_DEFAULTS
 from reinforge.core.actor import Actor, Input, Ticket, ack_all
 from reinforge.core.messages import (
+    Fate,
+    GroupDecision,
     Rollback,
     ScoredRollout,
     TrainStats,
@@ -300,6 +302,11 @@ def rollback_source(root: Path, msg: Rollback) -> Path | None:
     return None
 
 
+def has_signal(group: Group) -> bool:
+    samples = group.ordered()
+    return group_has_signal([s.reward for s in samples], [sample_is_valid(s) for s in samples])
+
+
 def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -386,6 +393,9 @@ class Learner(Actor):
             return
         status = self.buffer.add(msg, ticket)
         if status == "consumed":
+            decided = self.buffer.tasks.get(msg.rollout.task_id)
+            if decided is not None:  # its decision may have died with a learner: say it again
+                await self._tell(msg.rollout.task_id, msg.rollout.domain, decided)
             await ticket.ack()
         elif status == "completed":
             self._ready.set()
@@ -435,34 +445,57 @@ class Learner(Actor):
                 if max(versions) > self.version:  # from a rolled-back (or foreign) policy
                     self.counters["dropped_rolled_back_groups"] += 1
                     self.counters["dropped_rolled_back_samples"] += len(samples)
-                    reason = "rolled_back"
+                    fate = Fate.ROLLED_BACK
                 elif is_too_stale(self.version, versions, cfg.max_staleness):
                     self.counters["dropped_stale_groups"] += 1
                     self.counters["dropped_stale_samples"] += len(samples)
-                    reason = "stale"
-                elif not group_has_signal([s.reward for s in samples],
-                                          [sample_is_valid(s) for s in samples]):
+                    fate = Fate.STALE
+                elif not has_signal(group):
                     self.counters["skipped_no_signal_groups"] += 1
-                    reason = "no_signal"
+                    fate = Fate.NO_SIGNAL
                 else:
                     usable.append(group)
+                    await self._decide(group, Fate.ACCEPTED)
                     continue
-                await self._drop(group, reason)
+                await self._drop(group, fate)
         return usable
 
-    async def _drop(self, group: Group, reason: str) -> None:
-        """Decided for good: journaled now (before the ack), in the next checkpoint later.
-        Only the main loop calls this: a checkpoint clears the journal it has absorbed."""
-        self.buffer.consume(group, reason)
-        await trio.to_thread.run_sync(self.journal.append, group.task_id, reason,
+    async def _drop(self, group: Group, fate: Fate) -> None:
+        """Decided for good: journaled now (before the decision goes out and the ack), in
+        the next checkpoint later. Only the main loop calls this: a checkpoint clears the
+        journal it has absorbed."""
+        self.buffer.consume(group, fate.value)
+        await trio.to_thread.run_sync(self.journal.append, group.task_id, fate.value,
                                       group.rollout_ids)
+        await self._decide(group, fate)
         await ack_all(group.tickets)
 
     async def _drop_incomplete(self) -> None:
         cfg: LearnerConfig = self.config
         for group in self.buffer.expire(time.monotonic() - cfg.incomplete_group_timeout_s):
             self.counters["dropped_incomplete_groups"] += 1
-            await self._drop(group, "incomplete")
+            await self._drop(group, Fate.INCOMPLETE)
+
+    async def _decide(self, group: Group, fate: Fate) -> None:
+        """Tell the run what became of `group` (the scheduler's budget follows this)."""
+        await self._publish_decision(GroupDecision(
+            task_id=group.task_id, domain=group.domain, fate=fate, version=self.version,
+            signal=has_signal(group), samples=len(group.samples),
+            tokens=sum(len(s.rollout.output_ids) for s in group.samples.values())))
+
+    async def _tell(self, task_id: str, domain: str, decided: str) -> None:
+        """Send again the decision recorded for `task_id` ("v<N>" or a drop's reason)."""
+        trained = decided.startswith("v")
+        await self._publish_decision(GroupDecision(
+            task_id=task_id, domain=domain, fate=Fate.TRAINED if trained else Fate(decided),
+            version=int(decided[1:]) if trained else self.version))
+
+    async def _publish_decision(self, msg: GroupDecision) -> None:
+        # One id per (task, fate, version): a decision sent again inside the server's
+        # duplicate window is stored once; a re-acceptance after a rollback is new.
+        await self.ctx.publish_durable(
+            subjects.decision(self.ctx.run, msg.domain), msg,
+            msg_id=f"decision:{msg.task_id}:{msg.fate.value}:{msg.version}")
 
     async def _train_and_commit(self, batch: list[Group], wait_s: float) -> None:
         cfg: LearnerConfig = self.config
@@ -488,6 +521,8 @@ class Learner(Actor):
         self.version = version
         await trio.to_thread.run_sync(self.journal.clear)  # all in the checkpoint now
         await self._publish_weights(version, path)
+        for g in batch:
+            await self._decide(g, Fate.TRAINED)
         await ack_all([t for g in batch for t in g.tickets])
         await trio.to_thread.run_sync(functools.partial(
             ckpt.prune_checkpoints, self.root, cfg.keep_last, (version,),

@@ -2,7 +2,8 @@
 
 Dataflow:
     scheduler --Task (durable, rl.<run>.task.<domain>)--> samplers --> verifiers
-        ^-- ScoredRollout (core view of rl.<run>.scored.*): group outcomes
+        ^-- ScoredRollout (core view of rl.<run>.scored.*): group completion, rewards
+        ^-- GroupDecision (durable rl.<run>.decision.*): the learner's word on each group
         ^-- WeightsPublished / Rollback (rl.<run>.weights): the policy version
         ^-- TrainStats / EvalStats (rl.<run>.stats.*): learner demand, eval thresholds
         ^-- Announce (ctl.<run>.announce): the domains verifiers serve (available, not scheduled)
@@ -12,6 +13,13 @@ boosts with replay floors for critical domains; the tier where the predicted gro
 gives the most learning signal; for recurring (file) tasks, the task itself. Flow control:
 in-flight tasks stay within `issue_budget` (learner demand x max staleness, each task counted
 by its domain's recent rate of groups with signal) and per-domain quotas.
+
+One owner for a group's fate: the learner. A group the scheduler saw complete waits for the
+learner's `GroupDecision`: until then it counts by its domain's signal rate, once ACCEPTED
+as one group, and a final decision (trained, or dropped with its reason) takes it out of the
+count and closes its lease. The signal rate itself is the learner's verdicts' moving
+average. The scheduler never judges signal or staleness, so the two cannot disagree; a
+decision is acked only once the state that holds it is saved.
 
 Leases: a task whose group is not complete within `lease_s` is reissued with attempt+1
 (priority over new tasks), up to `max_attempts`; JetStream already redelivers a task whose
@@ -25,8 +33,8 @@ wall-clock offset it was saved with, and a restart moves the saved times onto it
 so a lease keeps its wall-clock deadline (work went on while the scheduler was down).
 
 Figures (heartbeats, `reinforge status`): per domain the tier, the tier mix, the groups,
-the informative groups, the **wasted tokens** (tokens of groups whose rewards were all
-equal: no GRPO signal), the reward mean/std (the learner's normalisation inputs).
+the informative groups, the **wasted tokens** (tokens of groups the learner found without
+GRPO signal), the reward mean/std, the learner's decisions by fate.
 
 Mixing weights change while running through `<run_dir>/scheduler_mix.json`
 (`{"weights": {...}, "replay_floors": {...}, "max_in_flight_per_domain": {...}}`),
@@ -59,7 +67,6 @@ from reinforge.rl.curriculum import (
     TaskRecord,
     draw_domain,
     floored_signal_rate,
-    group_has_signal,
     issue_budget,
     mix_probabilities,
     new_task_signal_rate,
@@ -70,10 +77,12 @@ from reinforge.rl.evalsets import HeldOutConfig, build_heldout, fingerprint
 from reinforge.core import paths, subjects
 from reinforge.core.atomic import write_json_atomic
 from reinforge.core.cluster import RUN_DEFAULTS
-from reinforge.core.actor import Actor, Input
+from reinforge.core.actor import Actor, Input, Ticket, ack_all
 from reinforge.core.messages import (
     Announce,
     EvalStats,
+    Fate,
+    GroupDecision,
     Outcome,
     Rollback,
     ScoredRollout,
@@ -114,11 +123,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     divides by: a domain whose groups never carry signal still counts (it cannot fill the
     pipeline on its own); `max_in_flight` is the hard cap."""
     lease_s: float = 300.0
-    """A task whose group is not complete after this is reissued (attempt + 1)."""
-    stall_release_s: float = 120.0
-    """Nothing in flight, no budget left, and no new version for this long: the learner did
-    not get what the scheduler counted (e.g. groups it dropped), so one version's worth of
-    budget is released, loudly. 0 disables it."""
+    """A task whose group is neither complete nor decided after this is reissued
+    (attempt + 1)."""
     max_attempts: int = 3
     """Attempts per task before it is abandoned (counted)."""
     tick_s: float = 0.5
@@ -146,8 +152,6 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         if not 0.0 < self.min_signal_rate <= 1.0:
             raise ValueError(f"SchedulerConfig.min_signal_rate must be in (0, 1], got "
                              f"{self.min_signal_rate}")
-        if self.stall_release_s < 0:
-            raise ValueError("SchedulerConfig: stall_release_s must be >= 0 (0 disables it)")
         if any(w < 0 for w in self.domains.values()):
             raise ValueError(f"SchedulerConfig.domains: weights must be >= 0, got {self.domains}")
         if sum(self.replay_floors.values()) > 1.0:
@@ -190,6 +194,14 @@ class GroupTally(msgspec.Struct, kw_only=True):
     """The oldest policy version among its samples (-1: none yet)."""
 
 
+class AwaitingDecision(msgspec.Struct, kw_only=True):
+    """A group the scheduler saw complete (or the learner accepted) with no final word yet."""
+
+    domain: str
+    accepted: bool = False
+    """The learner put it in the batch of its next update: it counts as one whole group."""
+
+
 class DomainCounters(msgspec.Struct, kw_only=True):
     issued: int = 0
     reissued: int = 0
@@ -197,11 +209,13 @@ class DomainCounters(msgspec.Struct, kw_only=True):
     groups: int = 0
     informative_groups: int = 0
     signal_rate: float = 0.5
-    """Moving average of "a group carries signal" (stale ones included: staleness is the
-    budget's doing, not the domain's); 0.5 until groups come back."""
+    """Moving average of the learner's "this group carries signal" (stale ones included:
+    staleness is the budget's doing, not the domain's); 0.5 until decisions come back."""
     late_groups: int = 0
     stale_groups: int = 0
-    """Informative groups that arrived too stale for the learner (not counted as progress)."""
+    """Groups the learner dropped as too stale."""
+    decided: dict[str, int] = {}
+    """Final decisions by fate (trained, stale, no_signal, rolled_back, incomplete)."""
     tokens: int = 0
     wasted_tokens: int = 0
     infra_samples: int = 0
@@ -214,7 +228,6 @@ class SchedulerState(msgspec.Struct, kw_only=True):
     issued: int = 0
     """Issue sequence number: names tasks and seeds their draws."""
     version: int = 0
-    done_since_version: int = 0
     available: list[str] = []
     """Domains some verifier announced (sorted): trainable if the mix names them."""
     attached: dict[str, float] = {}
@@ -226,13 +239,16 @@ class SchedulerState(msgspec.Struct, kw_only=True):
     tallies: dict[str, GroupTally] = {}
     recent_done: list[str] = []
     """Keys of recently completed groups (duplicates after them are ignored)."""
+    awaiting: dict[str, AwaitingDecision] = {}
+    """task_id -> a group waiting for the learner's final decision."""
+    recent_decided: list[str] = []
+    """Task ids the learner decided for good, newest last (repeats after them are ignored)."""
     counters: dict[str, DomainCounters] = {}
     eval_pass_at_1: dict[str, float] = {}
     rollbacks: int = 0
     abandoned: list[str] = []
     """Task ids given up after max_attempts (the newest 4096): the record an accounting
     check (bench/chaos.py) reads as their reason for never reaching the learner."""
-    stall_releases: int = 0
     clock_offset_s: float = 0.0
     """Wall-clock time minus the scheduler's clock when this was saved: what turns the lease
     and tally times into wall-clock times. States saved before there was one hold wall-clock
@@ -324,7 +340,7 @@ class Scheduler(Actor):
             self._join(name)
         self._dirty = True
         self._last_persist = -math.inf  # never saved: the first save is due at once
-        self._stalled_since = trio.current_time()
+        self._unsaved_decisions: list[Ticket] = []
         self._wakeup = trio.Event()
         latest = await self.ctx.bus.last_message(self.ctx.stream, subjects.weights(self.ctx.run))
         if latest is not None:
@@ -374,6 +390,8 @@ class Scheduler(Actor):
         return [
             Input(subject=subjects.scored(run, "*"), handler=self.on_scored,
                   accepts=(ScoredRollout,), durable=False),
+            Input(subject=subjects.decision(run, "*"), handler=self.on_decision,
+                  accepts=(GroupDecision,), manual_ack=True, ack_wait_s=60.0),
             Input(subject=subjects.weights(run), handler=self.on_weights,
                   accepts=(WeightsPublished, Rollback), durable=False),
             Input(subject=subjects.stats(run, "*"), handler=self.on_stats, durable=False),
@@ -421,17 +439,13 @@ class Scheduler(Actor):
         c.groups += 1
         c.tokens += tally.tokens
         c.infra_samples += len(tally.infra)
-        informative = group_has_signal(rewards)
-        c.signal_rate = updated_signal_rate(c.signal_rate, informative)
-        if informative:
-            c.informative_groups += 1
-        else:
-            c.wasted_tokens += tally.tokens
         for x in rewards:
             c.rewards.add(x)
         lease = st.leases.pop(task_id, None)
         if lease is None:
             c.late_groups += 1  # a group of an attempt already superseded, or not ours
+        elif task_id not in st.recent_decided:
+            st.awaiting.setdefault(task_id, AwaitingDecision(domain=tally.domain))
         if rewards and tally.domain in self.curricula:
             curriculum = self.curricula[tally.domain]
             if 0 <= tally.tier < curriculum.state.n_tiers:
@@ -444,25 +458,46 @@ class Scheduler(Actor):
                     lease.base_id, TaskRecord())
                 rec.passes += sum(rewards)
                 rec.fails += len(rewards) - sum(rewards)
-        # Only groups the learner will train on move it towards its next version: it skips
-        # those without signal and drops those too stale; counting them would stall issuing
-        # while the learner waits.
-        too_stale = 0 <= tally.oldest_version < st.version - self.config.max_staleness
-        if informative and too_stale:
-            c.stale_groups += 1
-        elif informative:
-            st.done_since_version += 1
+        self._wakeup.set()
+
+    async def on_decision(self, msg: GroupDecision, ticket: Ticket) -> None:
+        """The learner's word on a group; see the module's "one owner for a group's fate".
+        The ticket is acked once a saved state holds this decision (`_save_then_ack`)."""
+        st = self.state
+        self._unsaved_decisions.append(ticket)
+        self._dirty = True
+        if msg.task_id in st.recent_decided:
+            return  # a final decision sent again
+        c = st.counters.setdefault(msg.domain, DomainCounters())
+        waiting = st.awaiting.get(msg.task_id)
+        judged_before = waiting is not None and waiting.accepted
+        if msg.signal is not None and not judged_before and msg.fate != Fate.INCOMPLETE:
+            c.signal_rate = updated_signal_rate(c.signal_rate, msg.signal)
+            if msg.signal:
+                c.informative_groups += 1
+            else:
+                c.wasted_tokens += msg.tokens
+        # Decided before this scheduler saw it complete (its core view lost a sample, or it
+        # was down): no reissue, since the learner skips a task it has decided.
+        st.leases.pop(msg.task_id, None)
+        if msg.fate == Fate.ACCEPTED:
+            st.awaiting[msg.task_id] = AwaitingDecision(domain=msg.domain, accepted=True)
+        else:
+            st.awaiting.pop(msg.task_id, None)
+            st.recent_decided.append(msg.task_id)
+            del st.recent_decided[:-4096]
+            c.decided[msg.fate.value] = c.decided.get(msg.fate.value, 0) + 1
+            if msg.fate == Fate.STALE:
+                c.stale_groups += 1
         self._wakeup.set()
 
     async def on_weights(self, msg: WeightsPublished | Rollback) -> None:
         if isinstance(msg, WeightsPublished):
             if msg.version > self.state.version:
                 self.state.version = msg.version
-                self.state.done_since_version = 0
         elif isinstance(msg, Rollback):
             self.state.rollbacks += 1
             self.state.version = msg.to_version
-            self.state.done_since_version = 0
             say(f"rollback to version {msg.to_version}: {msg.reason}")
         self._dirty = True
         self._wakeup.set()
@@ -492,7 +527,6 @@ class Scheduler(Actor):
         while True:
             self._reload_mix()
             now = trio.current_time()
-            self._release_if_stalled(now)
             tasks = [*self._expired_leases(now), *self._plan(now)]
             if tasks:
                 # Write-ahead: the leases (and the issue counter that names tasks) are on
@@ -505,7 +539,7 @@ class Scheduler(Actor):
                     subjects.task(self.ctx.run, task.domain), task,
                     msg_id=f"task:{task.task_id}:{task.attempt}",
                 )
-            self._persist_if_due()
+            await self._save_then_ack()
             with trio.move_on_after(self.config.tick_s):
                 with self.ctx.waiting("group outcomes or the next tick"):
                     await self._wakeup.wait()
@@ -513,6 +547,15 @@ class Scheduler(Actor):
 
     async def teardown(self) -> None:
         self._persist_if_due(force=True)
+        await ack_all(self._unsaved_decisions)
+
+    async def _save_then_ack(self) -> None:
+        """Save when due; decisions are acked only once a saved state holds them (one
+        crashed between would be redelivered and ignored as a repeat, never lost)."""
+        self._persist_if_due()
+        if self._unsaved_decisions and not self._dirty:
+            tickets, self._unsaved_decisions = self._unsaved_decisions, []
+            await ack_all(tickets)
 
     # -- decisions --------------------------------------------------------------------
 
@@ -547,6 +590,12 @@ class Scheduler(Actor):
     def signal_rate(self, domain: str) -> float:
         return floored_signal_rate(self._raw_signal_rate(domain), self.config.min_signal_rate)
 
+    def queued_groups(self) -> float:
+        """Groups with signal expected from those complete but not yet finally decided: an
+        accepted one counts whole, one not yet judged by its domain's signal rate."""
+        return sum(1.0 if w.accepted else self.signal_rate(w.domain)
+                   for w in self.state.awaiting.values())
+
     def budget(self) -> int:
         cfg: SchedulerConfig = self.config
         st = self.state
@@ -558,7 +607,7 @@ class Scheduler(Actor):
             max_in_flight=cfg.max_in_flight,
             groups_per_version=cfg.groups_per_version,
             max_staleness=cfg.max_staleness,
-            done_since_version=st.done_since_version,
+            queued=self.queued_groups(),
             expected_in_flight=sum(self.signal_rate(lease.task.domain)
                                    for lease in st.leases.values()),
             signal_rate=new_task_rate,
@@ -628,25 +677,6 @@ class Scheduler(Actor):
         say(f"domain {name} tier {tier}: 64 draws all in the held-out set; skipping it")
         return None
 
-    def _release_if_stalled(self, now: float) -> None:
-        """See `stall_release_s`: the learner's version is the only other thing that frees
-        budget, so a miscount must not become a deadlock."""
-        cfg: SchedulerConfig = self.config
-        st = self.state
-        if not cfg.stall_release_s or st.leases or self.budget() > 0:
-            self._stalled_since = now
-            return
-        if now - self._stalled_since < cfg.stall_release_s:
-            return
-        per_version = cfg.groups_per_version
-        say(f"no new version for {now - self._stalled_since:.0f} s with nothing in flight and "
-            f"{st.done_since_version} groups counted since v{st.version}: releasing "
-            f"{per_version} groups of budget")
-        st.done_since_version = max(0, st.done_since_version - per_version)
-        st.stall_releases += 1
-        self._stalled_since = now
-        self._dirty = True
-
     def _expired_leases(self, now: float) -> list[Task]:
         """Reissue (attempt + 1) the tasks whose lease ran out; abandon after max_attempts."""
         cfg: SchedulerConfig = self.config
@@ -714,9 +744,9 @@ class Scheduler(Actor):
             "policy_version": float(st.version),
             "in_flight": float(len(st.leases)),
             "issue_budget": float(self.budget()),
-            "done_since_version": float(st.done_since_version),
+            "queued_groups": self.queued_groups(),
+            "awaiting_decision": float(len(st.awaiting)),
             "rollbacks": float(st.rollbacks),
-            "stall_releases": float(st.stall_releases),
         }
         for d in st.available:
             out[f"available.{d}"] = 1.0
@@ -737,4 +767,6 @@ class Scheduler(Actor):
             out[f"{d}.reward_count"] = float(c.rewards.count)
             out[f"{d}.reissued"] = float(c.reissued)
             out[f"{d}.abandoned"] = float(c.abandoned)
+            for fate, n in c.decided.items():
+                out[f"{d}.decided.{fate}"] = float(n)
         return out

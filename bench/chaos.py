@@ -84,7 +84,7 @@ model = {json.dumps(str(sft))}
 
 [[actors]]
 spec = "reinforge.actors.scheduler:Scheduler"
-config = {{ domains = {{ {mix} }}, max_in_flight = 4, lease_s = {args.lease_s}, stall_release_s = 20.0 }}
+config = {{ domains = {{ {mix} }}, max_in_flight = 4, lease_s = {args.lease_s} }}
 
 [[actors]]
 spec = "reinforge.actors.sampler:SamplerActor"

@@ -103,6 +103,35 @@ class ScoredRollout(_Msg, frozen=True, tag="scored/1"):
     verifier_id: str = ""
 
 
+class Fate(str, enum.Enum):
+    """What the learner did with a task's group. ACCEPTED is provisional (the group is in
+    the batch of the next update; TRAINED or a drop follows); the others are final."""
+
+    ACCEPTED = "accepted"
+    TRAINED = "trained"
+    STALE = "stale"
+    NO_SIGNAL = "no_signal"
+    ROLLED_BACK = "rolled_back"
+    INCOMPLETE = "incomplete"
+
+
+class GroupDecision(_Msg, frozen=True, tag="group-decision/1"):
+    """The learner's word on one task's group: the one source of its fate, which the
+    scheduler's issue budget follows (it never re-derives signal or staleness itself)."""
+
+    task_id: str
+    domain: str
+    fate: Fate
+    version: int
+    """TRAINED: the version its update made; otherwise the learner's version then."""
+    signal: bool | None = None
+    """Whether two of its valid rewards differ; None when not known (a decision sent again
+    for a task decided before a restart)."""
+    samples: int = 0
+    tokens: int = 0
+    """Output tokens of its samples (wasted when it has no signal)."""
+
+
 class WeightsPublished(_Msg, frozen=True, tag="weights/1"):
     version: int
     path: str
@@ -245,6 +274,7 @@ Message = Union[
     Task,
     Rollout,
     ScoredRollout,
+    GroupDecision,
     WeightsPublished,
     Rollback,
     TrainStats,

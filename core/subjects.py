@@ -43,6 +43,10 @@ def scored(run: str, domain: str = "*") -> str:
     return f"rl.{run}.scored.{domain}"
 
 
+def decision(run: str, domain: str = "*") -> str:
+    return f"rl.{run}.decision.{domain}"
+
+
 def weights(run: str) -> str:
     return f"rl.{run}.weights"
 

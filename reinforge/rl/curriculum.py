@@ -283,7 +283,7 @@ def issue_budget(
     max_in_flight: int,
     groups_per_version: int,
     max_staleness: int,
-    done_since_version: int,
+    queued: float,
     expected_in_flight: float | None = None,
     signal_rate: float = 1.0,
 ) -> int:
@@ -292,8 +292,8 @@ def issue_budget(
     The learner turns about `groups_per_version` groups into one new policy version. A group
     issued now must be trained on within `max_staleness` versions, so at most
     `groups_per_version * (max_staleness + 1)` groups the learner will train on may be ahead
-    of it: those expected from the tasks in flight plus those completed since the latest
-    version. A group without signal (all rewards equal) never reaches the learner, so a task
+    of it: those expected from the tasks in flight plus `queued`, those complete and not yet
+    trained (the learner's decisions say which). A group without signal (all rewards equal) never reaches the learner, so a task
     counts by its chance of carrying signal: `expected_in_flight` (default: every task
     counts 1) and `signal_rate` for a new task. At 8 % signal, counting every task as 1 would
     keep 6 tasks in flight for a learner that wants 2 groups: half a group of signal ahead of
@@ -302,7 +302,7 @@ def issue_budget(
     if not 0.0 < signal_rate <= 1.0:
         raise ValueError(f"issue_budget: signal_rate must be in (0, 1], got {signal_rate}")
     expected = float(in_flight) if expected_in_flight is None else expected_in_flight
-    room = groups_per_version * (max_staleness + 1) - done_since_version - expected
+    room = groups_per_version * (max_staleness + 1) - queued - expected
     by_learner = math.ceil(room / signal_rate - 1e-9) if room > 0 else 0
     return max(0, min(max_in_flight - in_flight, by_learner))
 

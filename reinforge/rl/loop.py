@@ -191,7 +191,7 @@ class TaskDraw:
         rate = new_task_signal_rate(self.mix, self.signal_rates, floor=s.min_signal_rate)
         n = issue_budget(in_flight=0, max_in_flight=s.max_in_flight,
                          groups_per_version=missing_groups, max_staleness=0,
-                         done_since_version=0, expected_in_flight=0.0, signal_rate=rate)
+                         queued=0, expected_in_flight=0.0, signal_rate=rate)
         return [self._new_task() for _ in range(n)]
 
     def _new_task(self) -> Task:

@@ -39,6 +39,16 @@ async def publish_scored(bus, run: str, scored: list[m.ScoredRollout]) -> None:
         )
 
 
+async def publish_decision(bus, run: str, task: m.Task, fate: m.Fate, *,
+                           signal: bool | None = None, version: int = 0,
+                           tokens: int = 0) -> None:
+    """What the learner would publish about `task`'s group."""
+    msg = m.GroupDecision(task_id=task.task_id, domain=task.domain, fate=fate, version=version,
+                          signal=signal, samples=task.group_size, tokens=tokens)
+    await bus.publish_durable(subjects.decision(run, task.domain), msg,
+                              msg_id=f"decision:{task.task_id}:{fate.value}:{version}")
+
+
 class TaskWatcher:
     """Reads every Task the scheduler publishes (its own durable consumer on task.*)."""
 

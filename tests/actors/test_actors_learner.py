@@ -407,24 +407,33 @@ def test_a_restarted_learner_resumes_and_skips_what_its_checkpoint_consumed(
         return w
 
     async def main():
-        async with open_bus(creds) as bus, trio.open_nursery() as nursery:
+        async with open_bus(creds) as bus:
             stream = await bus.ensure_run_stream(run_name)
-            await nursery.start(collect_stats, bus, run_name, stats)
-            await publish(bus, run_name, group_a)
-            w1 = await run_learner_until(bus, stream, 1)
-            # as if the server redelivered group a after the crash, plus new work
-            await publish(bus, run_name, group_a, prefix="redelivered")
-            await publish(bus, run_name, group_c)
-            await publish(bus, run_name, group_b)
-            w2 = await run_learner_until(bus, stream, 2)
-            with trio.fail_after(10):
-                while len(stats) < 2:
-                    await trio.sleep(0.1)
-            nursery.cancel_scope.cancel()
-            return w1, w2
+            async with trio.open_nursery() as nursery:
+                await nursery.start(collect_stats, bus, run_name, stats)
+                await publish(bus, run_name, group_a)
+                w1 = await run_learner_until(bus, stream, 1)
+                # as if the server redelivered group a after the crash, plus new work
+                await publish(bus, run_name, group_a, prefix="redelivered")
+                await publish(bus, run_name, group_c)
+                await publish(bus, run_name, group_b)
+                w2 = await run_learner_until(bus, stream, 2)
+                with trio.fail_after(10):
+                    while len(stats) < 2:
+                        await trio.sleep(0.1)
+                nursery.cancel_scope.cancel()
+            decisions = [m.decode(d.data) async for d in bus.read_stream(
+                stream, filter_subject=subjects.decision(run_name))]
+            return w1, w2, decisions
 
-    w1, w2 = trio.run(main)
+    w1, w2, decisions = trio.run(main)
     assert (w1.version, w2.version) == (1, 2)
+    # Each group's fate, told once; a's redelivery sends "trained in v1" again, which the
+    # server's duplicate window stores once.
+    assert [(d.task_id, d.fate.value, d.version) for d in decisions] == [
+        ("a", "accepted", 0), ("a", "trained", 1),
+        ("c", "stale", 1), ("b", "accepted", 1), ("b", "trained", 2)]
+    assert (decisions[0].signal, decisions[0].samples, decisions[0].tokens) == (True, 4, 16)
     state = ckpt.load_trainer_state(w2.path)
     assert state["step"] == 2
     assert all(s["step"] == 2 for s in state["optimizer"]["state"].values())  # Adam resumed

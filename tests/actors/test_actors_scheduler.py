@@ -21,7 +21,6 @@ from reinforge.actors.scheduler import (
     Scheduler,
     SchedulerConfig,
     SchedulerState,
-    group_key,
     load_state,
     move_onto_clock,
     save_state,
@@ -32,7 +31,7 @@ from reinforge.core import subjects
 from reinforge.core.actor import RuntimeConfig, run_actor
 from reinforge.core.bus import open_bus
 from reinforge.envs.domain import DomainRegistry
-from sched_fixtures import TaskWatcher, publish_scored, scored_group
+from sched_fixtures import TaskWatcher, publish_decision, publish_scored, scored_group
 from trio.testing import MockClock
 
 pytestmark = [pytest.mark.nats]
@@ -161,22 +160,6 @@ def test_the_curriculum_moves_up_on_all_pass_groups_and_down_on_all_fail_ones(
                 st = await wait_state(state_path, lambda s: s.curricula["math"].moves >= 2
                                       and s.curricula["math"].level == 0)
                 pipeline.cancel_scope.cancel()
-            await saved_after_a_planning_pass(bus, run_name, state_path)  # answers have landed
-
-            def untouched(s):  # leases no sample has come back for
-                return [x.task for x in s.leases.values()
-                        if group_key(x.task.task_id, x.task.attempt) not in s.tallies]
-
-            st = await wait_state(state_path, lambda s: untouched(s))
-            task = untouched(st)[0]
-            c = st.counters["math"]
-            # every group was all-pass or all-fail: all of its tokens were wasted
-            assert c.groups >= 4 and c.informative_groups == 0
-            assert c.wasted_tokens == c.tokens == c.groups * 2 * 10
-            # a group with differing rewards carries signal and wastes nothing
-            await publish_scored(bus, run_name, scored_group(task, [1.0, 0.0]))
-            st = await wait_state(state_path, lambda s: s.counters["math"].informative_groups == 1)
-            assert st.counters["math"].wasted_tokens == c.wasted_tokens
 
     trio.run(main)
 
@@ -480,43 +463,72 @@ def test_recurring_tasks_from_a_file_come_back_under_fresh_ids_but_never_held_ou
     assert all("squared" in t.prompt for t in tasks)
 
 
-def test_a_stale_group_is_not_progress_and_a_stall_releases_budget_loudly(
+def test_the_learners_decisions_alone_move_the_budget_and_the_signal_figures(
     creds, run_name, tmp_path
 ):
-    # One group per version, none ahead: after one useful group the scheduler waits for v6.
-    cfg = config(tmp_path, domains={"math": 1.0}, group_size=2, max_in_flight=1,
+    # One group per version, none ahead (on-policy): the budget is one group with signal.
+    # Before: the scheduler judged a complete group itself (signal: progress), so a group
+    # the learner then dropped held the budget shut until a 120 s stall release.
+    cfg = config(tmp_path, domains={"math": 1.0}, group_size=2, max_in_flight=50,
                  groups_per_version=1, max_staleness=0)
     state_path = tmp_path / "state.json"
 
     async def main(clock):
         async with open_bus(creds) as bus, scheduler(creds, run_name, cfg):
             await bus.ensure_run_stream(run_name)
-            await bus.publish_durable(subjects.weights(run_name),
-                                      m.WeightsPublished(version=5, path="/w5"), msg_id="w5")
-            await wait_state(state_path, lambda s: s.version == 5)
             watcher = TaskWatcher(bus, run_name)
-            tasks = await watcher.until(lambda ts: len(ts) >= 1)
-            # made by v4: the learner (max_staleness 0) will drop it, so it is no progress
-            await publish_scored(bus, run_name, scored_group(tasks[0], [1.0, 0.0],
-                                                             policy_version=4))
-            st = await wait_state(state_path, lambda s: s.counters["math"].stale_groups == 1)
-            assert st.done_since_version == 0
-            tasks = await watcher.until(lambda ts: len(ts) >= 2)  # issued at once, no stall
-            await publish_scored(bus, run_name, scored_group(tasks[1], [1.0, 0.0],
-                                                             policy_version=5))
-            await wait_state(state_path, lambda s: s.done_since_version == 1)
-            # no v6 comes: short of stall_release_s nothing happens ...
-            clock.jump(cfg.stall_release_s - 10)
+            a, b = await watcher.until(lambda ts: len(ts) >= 2)  # 2 tasks at the 0.5 prior
+            # a's group is complete: it awaits the learner's word, counted at the prior
+            await publish_scored(bus, run_name, scored_group(a, [1.0, 0.0]))
+            st = await wait_state(state_path, lambda s: a.task_id in s.awaiting)
+            assert st.counters["math"].informative_groups == 0  # not the scheduler's call
+            await publish_decision(bus, run_name, a, m.Fate.ACCEPTED, signal=True)
+            st = await wait_state(state_path, lambda s: s.counters["math"].informative_groups)
+            assert st.awaiting[a.task_id].accepted and st.counters["math"].signal_rate > 0.5
             st = await saved_after_a_planning_pass(bus, run_name, state_path)
-            assert st.stall_releases == 0 and st.issued == 2
-            # ... then the budget is released and a task issued
-            clock.jump(10)
-            tasks = await watcher.until(lambda ts: len(ts) >= 3)
-            st = await wait_state(state_path, lambda s: s.stall_releases >= 1)
-            assert st.version == 5 and st.stall_releases == 1
-            assert tasks[2].task_id not in {t.task_id for t in tasks[:2]}
+            assert st.issued == 2  # one accepted group fills the version: nothing goes out
+            # the learner drops it after all (say, its max_staleness is stricter): that
+            # frees the budget at once, and a repeat of the decision changes nothing
+            await publish_decision(bus, run_name, a, m.Fate.STALE, signal=True)
+            await publish_decision(bus, run_name, a, m.Fate.STALE, signal=True, version=1)
+            await watcher.until(lambda ts: len(ts) >= 3)
+            st = await wait_state(state_path, lambda s: s.counters["math"].decided)
+            c = st.counters["math"]
+            assert (c.decided, c.stale_groups, c.informative_groups) == ({"stale": 1}, 1, 1)
+            assert a.task_id not in st.awaiting
+            # b is decided before this scheduler saw it complete: its lease closes, no reissue
+            await publish_decision(bus, run_name, b, m.Fate.NO_SIGNAL, signal=False, tokens=40)
+            st = await wait_state(state_path, lambda s: b.task_id not in s.leases)
+            assert st.counters["math"].wasted_tokens == 40
+            clock.jump(cfg.lease_s)  # the other open leases run out and go round again ...
+            st = await wait_state(state_path, lambda s: s.counters["math"].reissued >= 1)
+            await saved_after_a_planning_pass(bus, run_name, state_path)
+            tasks = await watcher.until(lambda ts: any(t.attempt == 2 for t in ts))
+            assert [t.attempt for t in tasks if t.task_id == b.task_id] == [1]  # ... b's not
 
     run_on_a_mock_clock(main)
+
+
+def test_a_decision_made_while_the_scheduler_was_down_is_applied_when_it_is_back(
+    creds, run_name, tmp_path
+):
+    cfg = config(tmp_path, domains={"math": 1.0}, group_size=2, max_in_flight=50,
+                 groups_per_version=1, max_staleness=0)
+    state_path = tmp_path / "state.json"
+
+    async def main():
+        async with open_bus(creds) as bus:
+            watcher = TaskWatcher(bus, run_name)
+            async with scheduler(creds, run_name, cfg):
+                a = (await watcher.until(lambda ts: len(ts) >= 2))[0]
+                await publish_scored(bus, run_name, scored_group(a, [1.0, 0.0]))
+                await wait_state(state_path, lambda s: a.task_id in s.awaiting)
+            await publish_decision(bus, run_name, a, m.Fate.TRAINED, signal=True, version=1)
+            async with scheduler(creds, run_name, cfg):
+                st = await wait_state(state_path, lambda s: s.counters["math"].decided)
+            assert st.counters["math"].decided == {"trained": 1} and not st.awaiting
+
+    trio.run(main)
 
 
 def test_a_scheduler_killed_right_after_issuing_never_reuses_a_task_id(creds, run_name, tmp_path):
@@ -561,13 +573,14 @@ def test_groups_without_signal_widen_the_pipeline_and_one_with_signal_closes_it(
             st = await saved_after_a_planning_pass(bus, run_name, state_path)
             assert st.issued == 2  # nothing more goes out
 
-            async def no_signal(task):
+            async def no_signal(task):  # what verifiers and then the learner would say
                 await publish_scored(bus, run_name, scored_group(task, [0.0, 0.0]))
+                await publish_decision(bus, run_name, task, m.Fate.NO_SIGNAL, signal=False)
 
             watcher = TaskWatcher(bus, run_name)
             answered = len(await watcher.until(lambda ts: len(ts) >= 30, on_task=no_signal))
-            rate = (await wait_state(state_path,
-                                     lambda s: s.counters["math"].groups == answered)
+            rate = (await wait_state(
+                state_path, lambda s: s.counters["math"].decided.get("no_signal") == answered)
                     ).counters["math"].signal_rate
             assert rate < 0.5 * 0.95 ** 25
             # unanswered now: the scheduler fills up to ceil(1 / rate) tasks in flight
@@ -579,18 +592,21 @@ def test_groups_without_signal_widen_the_pipeline_and_one_with_signal_closes_it(
             # one group with signal: the version's demand is met, nothing more goes out ...
             open_tasks = [lease.task for lease in st.leases.values()]
             await publish_scored(bus, run_name, scored_group(open_tasks[0], [1.0, 0.0]))
-            st = await wait_state(state_path, lambda s: s.done_since_version == 1)
+            await publish_decision(bus, run_name, open_tasks[0], m.Fate.ACCEPTED, signal=True)
+            st = await wait_state(state_path, lambda s: s.counters["math"].informative_groups)
             issued = st.issued
             st = await saved_after_a_planning_pass(bus, run_name, state_path)
             assert st.issued == issued
-            # ... until the learner's next version, once the tasks in flight (which the group
-            # with signal made look richer) come back without signal
+            # ... until the learner trained it into v1 and the tasks in flight (which the
+            # group with signal made look richer) came back without signal
             await bus.publish_durable(subjects.weights(run_name),
                                       m.WeightsPublished(version=1, path="/w1"), msg_id="w1")
-            await wait_state(state_path, lambda s: s.version == 1)
+            await publish_decision(bus, run_name, open_tasks[0], m.Fate.TRAINED, signal=True,
+                                   version=1)
+            await wait_state(state_path, lambda s: s.version == 1 and not s.awaiting)
             for task in open_tasks[1:]:
-                await publish_scored(bus, run_name, scored_group(task, [0.0, 0.0]))
+                await no_signal(task)
             st = await wait_state(state_path, lambda s: s.issued > issued)
-            assert st.done_since_version == 0
+            assert st.counters["math"].decided["trained"] == 1
 
     trio.run(main)

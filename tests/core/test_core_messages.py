@@ -15,6 +15,8 @@ def sample_messages() -> list:
         rollout,
         m.ScoredRollout(rollout=rollout, reward=1.0, outcome=m.Outcome.PASS,
                         checks=[m.Check(name="answer", passed=True)]),
+        m.GroupDecision(task_id="t1", domain="math", fate=m.Fate.TRAINED, version=4,
+                        signal=True, samples=8),
         m.WeightsPublished(version=3, path="/ckpt/3"),
         m.Rollback(to_version=2, path="/ckpt/2", reason="math fell below 0.3"),
         m.TrainStats(version=3, step=7, loss=0.5, figures={"kl": 0.01}),

@@ -177,32 +177,32 @@ def test_recurring_tasks_are_picked_where_their_posterior_pass_rate_is_informati
 def test_the_issue_budget_follows_learner_demand_and_staleness():
     # 4 groups per version, staleness 1 -> at most 8 groups ahead of the learner
     assert issue_budget(in_flight=0, max_in_flight=100, groups_per_version=4, max_staleness=1,
-                        done_since_version=0) == 8
+                        queued=0) == 8
     assert issue_budget(in_flight=5, max_in_flight=100, groups_per_version=4, max_staleness=1,
-                        done_since_version=2) == 1
+                        queued=2) == 1
     assert issue_budget(in_flight=5, max_in_flight=100, groups_per_version=4, max_staleness=1,
-                        done_since_version=6) == 0
+                        queued=6) == 0
     assert issue_budget(in_flight=3, max_in_flight=4, groups_per_version=100, max_staleness=3,
-                        done_since_version=0) == 1
+                        queued=0) == 1
 
 
 def test_the_issue_budget_counts_a_task_by_its_chance_of_carrying_signal():
     # 2 groups per version, staleness 0: 2 groups of signal ahead. At 10 % signal per task,
     # 20 tasks are expected to give them; 5 in flight already count 0.5.
     assert issue_budget(in_flight=0, max_in_flight=100, groups_per_version=2, max_staleness=0,
-                        done_since_version=0, expected_in_flight=0.0, signal_rate=0.1) == 20
+                        queued=0, expected_in_flight=0.0, signal_rate=0.1) == 20
     assert issue_budget(in_flight=5, max_in_flight=100, groups_per_version=2, max_staleness=0,
-                        done_since_version=0, expected_in_flight=0.5, signal_rate=0.1) == 15
+                        queued=0, expected_in_flight=0.5, signal_rate=0.1) == 15
     assert issue_budget(in_flight=5, max_in_flight=100, groups_per_version=2, max_staleness=0,
-                        done_since_version=1, expected_in_flight=0.5, signal_rate=0.1) == 5
+                        queued=1, expected_in_flight=0.5, signal_rate=0.1) == 5
     # the hard cap still holds, and nothing is issued once the demand is met
     assert issue_budget(in_flight=5, max_in_flight=8, groups_per_version=2, max_staleness=0,
-                        done_since_version=0, expected_in_flight=0.5, signal_rate=0.1) == 3
+                        queued=0, expected_in_flight=0.5, signal_rate=0.1) == 3
     assert issue_budget(in_flight=30, max_in_flight=100, groups_per_version=2, max_staleness=0,
-                        done_since_version=0, expected_in_flight=2.0, signal_rate=0.1) == 0
+                        queued=0, expected_in_flight=2.0, signal_rate=0.1) == 0
     with pytest.raises(ValueError, match="signal_rate"):
         issue_budget(in_flight=0, max_in_flight=8, groups_per_version=2, max_staleness=0,
-                     done_since_version=0, signal_rate=0.0)
+                     queued=0, signal_rate=0.0)
 
 
 def test_a_new_task_counts_by_the_mix_of_floored_domain_rates():
