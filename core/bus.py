@@ -423,6 +423,17 @@ class Bus:
     async def consumer_info(self, stream: str, durable: str) -> Any:
         return await self.aio(self._js.consumer_info)(stream, durable)
 
+    async def consumers_info(self, stream: str) -> list[Any]:
+        """Every consumer of `stream`, durable and ephemeral."""
+        return await self.js_call(lambda: self._js.consumers_info(stream),
+                                  what=f"listing the consumers of {stream}")
+
+    async def purge(self, stream: str, *, subject: str, before_seq: int) -> None:
+        """Delete the messages on `subject` stored before `before_seq`."""
+        await self.js_call(lambda: self._js.purge_stream(stream, seq=before_seq,
+                                                         subject=subject),
+                           what=f"trimming {subject} of {stream}")
+
     @asynccontextmanager
     async def pull_consumer(
         self,

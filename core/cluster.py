@@ -17,6 +17,9 @@
     config = { delay_s = 0.1 }
     [supervisor]
     max_restarts = 5
+    [log]                               # the message log: bounds on acknowledged messages
+    max_age_s = 604800
+    max_bytes = 2147483648
 
 Unknown keys are errors that name the key; `--set actors.0.replicas=3` style overrides
 are applied before decoding. `run = "smoke"` (a name only) is read as `[run] name = "smoke"`.
@@ -37,6 +40,7 @@ import msgspec
 
 from reinforge.core import config as cfg
 from reinforge.core import subjects
+from reinforge.core.retention import LogRetention
 
 
 class ActorSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -130,6 +134,8 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     rollout_server: RolloutServerSpec = RolloutServerSpec()
     actors: list[ActorSpec] = []
     supervisor: SupervisorConfig = SupervisorConfig()
+    log: LogRetention = LogRetention()
+    """How much of the message log the run keeps (acknowledged messages only)."""
 
 
 def load_cluster_config(

@@ -41,6 +41,7 @@ from reinforge.core.messages import (
     decode,
 )
 from reinforge.core.natsd import EmbeddedNats, NatsCredentials
+from reinforge.core.retention import keep_log_bounded, trim_log_path
 
 
 @dataclass
@@ -224,6 +225,8 @@ class Supervisor:
                     nursery.start_soon(self._keep_nats_up)
                 if self.role == "up":
                     await nursery.start(self._serve_control, bus)
+                    nursery.start_soon(keep_log_bounded, bus, self.run, self.config.log,
+                                       trim_log_path(self.run_dir))
                 if self.config.rollout_server.enabled and self.role == "up":
                     await self._start_rollout_server()
                 for actor in self.config.actors:

@@ -75,7 +75,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     from reinforge.core import subjects
     from reinforge.core.bus import open_bus
     from reinforge.cli.actor import load_creds
+    from reinforge.core import paths
     from reinforge.core.msglog import LogRecord, LogWriter
+    from reinforge.core.retention import read_trims, trim_log_path
 
     creds = load_creds(args.run, args.creds)
     since, until = parse_time(args.since), parse_time(args.until)
@@ -95,11 +97,25 @@ def cmd_export(args: argparse.Namespace) -> int:
                     ))
                     if writer.count % 5000 == 0:
                         print(f"exported {writer.count} messages...", file=sys.stderr)
-                return writer.count
+                return writer.count, (await bus.stream_info(stream)).state.first_seq
 
-    count = trio.run(go)
+    count, first_seq = trio.run(go)
     print(f"wrote {count} messages to {args.output}")
+    print(trim_summary(read_trims(trim_log_path(paths.run_dir(args.run))), first_seq))
     return 0
+
+
+def trim_summary(trims: list[dict[str, Any]], first_seq: int) -> str:
+    """What the run's log keeper removed before this export could read it."""
+    if not trims:
+        if first_seq > 1:
+            return f"messages before seq {first_seq} are no longer stored"
+        return "nothing was trimmed: the log is whole"
+    whys = sorted({t["why"] for t in trims})
+    return (f"trimmed by the run's [log] bounds ({', '.join(whys)}): "
+            f"{sum(t['messages'] for t in trims)} acknowledged messages, "
+            f"{sum(t['bytes'] for t in trims)} bytes, in {len(trims)} passes; "
+            f"the log is kept from seq {first_seq}")
 
 
 def summarise(msg: Any) -> str:

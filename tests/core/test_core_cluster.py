@@ -51,8 +51,10 @@ def wait_for(predicate, timeout_s, what):
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
-def test_up_status_restart_attach_down_leaves_no_process(cli):
-    up = cli("up", "examples/echo.toml", "--run", "smoke", "--detach", "--json")
+def test_up_status_restart_attach_down_leaves_no_process(cli, tmp_path):
+    # [log] bounds small enough that the supervisor's log keeper trims within seconds
+    up = cli("up", "examples/echo.toml", "--run", "smoke", "--detach", "--json",
+             "--set", "log.max_bytes=4096", "--set", "log.every_s=0.5")
     summary = json.loads(up.stdout.strip().splitlines()[-1])
     supervisor_pid = summary["supervisor_pid"]
     actors = status(cli, "smoke")["actors"]
@@ -87,6 +89,13 @@ def test_up_status_restart_attach_down_leaves_no_process(cli):
         )
         assert listener["capabilities"] == ["listener on echo.out"]
         assert not listener["supervised"]  # it joined from elsewhere
+
+        def export_after_a_trim():
+            said = cli("log", "export", "--run", "smoke", "-o", str(tmp_path / "s.log")).stdout
+            return said if "trimmed by the run's [log] bounds (bytes)" in said else None
+
+        assert "acknowledged messages" in wait_for(export_after_a_trim, 30,
+                                                   "the log keeper's first trim")
         pids = {a["pid"] for a in status(cli, "smoke")["actors"]} | {supervisor_pid}
         cli("down", "--run", "smoke")
         assert attach.wait(timeout=30) == 0  # the attached actor obeyed the run's stop
