@@ -13,3 +13,23 @@ Modules (flat):
   * `gpu_bundle`: packs TVM's runtime and the cuda kernels for an offline GPU host;
   * `cli`: `reinforge kernels build|info`.
 """
+
+if __name__ == "kernels":  # pragma: no branch - only when run from the checkout root
+    # The checkout root was on sys.path (`python -c ...` or a script there, without importing
+    # reinforge first) and this folder was found as the top-level name `kernels`, which is
+    # Hugging Face's distribution that transformers imports. Hand the name over to it.
+    import importlib.machinery as _machinery
+    import importlib.util as _util
+    import os as _os
+    import sys as _sys
+
+    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    _elsewhere = [p for p in _sys.path if _os.path.abspath(p or _os.getcwd()) != _root]
+    _spec = _machinery.PathFinder.find_spec("kernels", _elsewhere)
+    if _spec is None:
+        del _sys.modules["kernels"]
+        raise ModuleNotFoundError("No module named 'kernels' (this folder is reinforge.kernels)",
+                                  name="kernels")
+    _module = _util.module_from_spec(_spec)
+    _sys.modules["kernels"] = _module  # the import statement returns what is here now
+    _spec.loader.exec_module(_module)

@@ -109,3 +109,20 @@ def test_python_m_pytest_from_the_repo_root_imports_models_and_starts_an_actor(
     assert "1 passed" in out.stdout
     started = tmp_path / "started"
     assert Path(started.read_text()).resolve().parent == installed_kernels
+
+
+def test_a_bare_python_at_the_repo_root_imports_models_without_importing_reinforge(
+        installed_kernels, tmp_path):
+    # `python -c` puts the checkout root first on sys.path and nothing of ours runs before
+    # transformers: before, `kernels/` was found as `kernels` and the import failed with
+    # "cannot import name 'CUDAProperties' from 'kernels'". The folder now hands the name over.
+    env = dict(os.environ)
+    env.pop("PYTHONSAFEPATH", None)
+    out = subprocess.run(
+        [sys.executable, "-c", "from transformers import LlamaForCausalLM, Qwen2ForCausalLM\n"
+         "import kernels, reinforge.kernels as ours\n"
+         "print(kernels.__file__); print(ours.__name__)"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    theirs, ours = out.stdout.split()
+    assert (Path(theirs).resolve().parent, ours) == (installed_kernels, "reinforge.kernels")
