@@ -215,6 +215,12 @@ BUILTIN_DOMAINS: tuple[tuple[str, str], ...] = (
     ("judge", "reinforge.envs.domains.judge:JudgeDomain"),
 )
 
+BUILTIN_FAMILIES: tuple[tuple[str, str], ...] = (
+    ("gym-", "reinforge.envs.domains.gym:gym_domains"),
+)
+"""Families of domains named by a prefix, loaded only when a name of theirs is asked for
+(or every name is): `MODULE:FUNCTION` returns {name: domain or factory}."""
+
 
 def load_object(spec: str) -> Any:
     """Import `MODULE:ATTR` (ATTR may be dotted)."""
@@ -249,6 +255,7 @@ class DomainRegistry:
     def __init__(self) -> None:
         self._factories: dict[str, Any] = {}
         self._instances: dict[str, Domain] = {}
+        self._families: dict[str, str] = {}
 
     @classmethod
     def default(cls, extra_specs: Iterable[str] = (), *, entry_points: bool = True):
@@ -256,6 +263,8 @@ class DomainRegistry:
         reg = cls()
         for name, spec in BUILTIN_DOMAINS:
             reg.add_spec(name, spec)
+        for prefix, spec in BUILTIN_FAMILIES:
+            reg.add_family(prefix, spec)
         if entry_points:
             for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
                 reg.add_spec(ep.name, ep.value)
@@ -285,15 +294,33 @@ class DomainRegistry:
         self._factories[name] = domain
         self._instances[name] = domain
 
-    def names(self) -> list[str]:
+    def add_family(self, prefix: str, spec: str) -> None:
+        """Domains named `prefix...`, listed by `spec` (MODULE:FUNCTION) on first need."""
+        self._families[prefix] = spec
+
+    def _load_families(self, name: str | None = None) -> None:
+        """Load the family `name` belongs to (every family when None); its names join, an
+        explicit spec of the same name keeps precedence."""
+        for prefix in [p for p in self._families if name is None or name.startswith(p)]:
+            members = load_object(self._families.pop(prefix))()
+            for member, factory in members.items():
+                self._factories.setdefault(member, factory)
+
+    def names(self, *, families: bool = False) -> list[str]:
+        """The registered names; a family's (e.g. the hundred `gym-*`) only with `families`
+        or once one of them was asked for: "every domain" means the singular ones."""
+        if families:
+            self._load_families()
         return sorted(self._factories)
 
     def __contains__(self, name: str) -> bool:
+        self._load_families(name)
         return name in self._factories
 
     def get(self, name: str) -> Domain:
         if name in self._instances:
             return self._instances[name]
+        self._load_families(name)
         if name not in self._factories:
             raise KeyError(f"no domain named {name!r}; known: {', '.join(self.names())}")
         factory = self._factories[name]

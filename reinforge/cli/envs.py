@@ -89,7 +89,7 @@ def cmd_list(args) -> int:
 
     registry = _registry(args)
     rows: list[dict[str, Any]] = []
-    for name in registry.names():
+    for name in registry.names(families=True):
         try:
             rows.append({**describe(registry.get(name)), "name": name})
         except Exception as exc:  # a broken plug-in must not hide the others

@@ -1,0 +1,207 @@
+"""Procedural task families from `reasoning-gym` as domains: one per dataset, `gym-<dataset>`.
+
+reasoning-gym (Apache-2.0, pure Python) generates tasks in about a hundred families
+(arithmetic, algebra, logic, graphs, games, induction, ...) and scores answers with each
+family's own scorer. Here each of its datasets is a domain:
+
+- **Tiers** are the dataset's own curriculum: tier k is the configuration at the
+  curriculum's global level k, for k below the most levels any of its attributes has
+  (at most `MAX_TIERS`). A dataset without a curriculum has one tier, its defaults.
+- **A task** is one item, drawn by a seed from the caller's rng: the spec keeps the dataset,
+  the tier and the seed, so the verifier regenerates the same item (and the metadata its
+  scorer reads) without shipping it.
+- **The answer** goes in `<answer>...</answer>` (reasoning-gym's convention; the last such
+  tag counts). The dataset's scorer turns it into the reward, a float in [0, 1] (some
+  families give partial credit); a completion without the tag scores 0. A scorer that
+  raises on an answer is an `error` verdict with the exception named, never a silent 0.
+- **The reference** (for SFT demonstrations) is the item's own answer when its scorer gives
+  it 1; families whose items have many valid answers and no canonical one give none.
+
+The domain name is a subject token (`core/subjects.py`): hence `gym-<dataset>`, not a path.
+Importing reasoning-gym takes seconds, so the registry lists these names only when asked
+(`DomainRegistry.names`, or a name with the `gym-` prefix).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import random
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from reinforge.envs.domain import Check, TaskSpec, Tier, Verdict, check_tier
+from reinforge.envs.tasksets import decode_row, load_jsonl
+
+PREFIX = "gym-"
+MAX_TIERS = 5
+SEED_TRIES = 8
+ANSWER_HINT = "Give your final answer inside <answer></answer> tags."
+LEFT_OUT = {
+    "composite": "it mixes the other datasets: each is a domain of its own here",
+    "game_of_life_halting": "its scorer passes any non-empty answer (it compares "
+                            "bool(answer) with bool('True'/'False'), both True)",
+}
+"""Datasets that are not domains, and why. A scorer that a wrong answer passes would teach
+the policy to game it (tests/envs/test_envs_gym.py tries a wrong answer on every domain)."""
+
+
+class GymSpec(msgspec.Struct, frozen=True, kw_only=True):
+    dataset: str
+    tier: int
+    """Its configuration is the curriculum's at this level (rebuilt where it is needed: some
+    configurations hold enums that a message would flatten)."""
+    seed: int
+
+
+class GymRow(msgspec.Struct, kw_only=True):
+    """One line of a JSONL file of gym tasks: a dataset item by its seed (extra keys ignored)."""
+
+    seed: int
+    tier: int = 0
+    task_id: str | None = None
+
+
+@functools.cache
+def _gym() -> Any:
+    import reasoning_gym
+    import reasoning_gym.utils  # noqa: F401 - extract_answer
+
+    return reasoning_gym
+
+
+def dataset_names() -> list[str]:
+    """Every reasoning-gym dataset that is a domain here (imports reasoning-gym)."""
+    from reasoning_gym import factory
+
+    return sorted(set(factory.DATASETS) - set(LEFT_OUT))
+
+
+def gym_domains() -> dict[str, GymDomain]:
+    """The family for `DomainRegistry.add_family`: domain name -> domain."""
+    return {PREFIX + name: GymDomain(name) for name in dataset_names()}
+
+
+def tier_configs(dataset: str) -> list[dict[str, Any]]:
+    """One configuration per tier, from the dataset's curriculum (or its defaults). A level
+    whose configuration the dataset itself rejects is left out (a few curricula start below
+    their dataset's own minimum); with none left, the defaults are the one tier."""
+    from reasoning_gym import factory
+
+    if dataset not in factory.CURRICULA:
+        return [{}]
+    curriculum = factory.create_curriculum(dataset)
+    levels = max((len(a.levels) for a in curriculum.attributes.values()), default=1)
+    out = []
+    for level in range(min(levels, MAX_TIERS)):
+        curriculum.set_global_level(level)
+        cfg = curriculum.generate_configuration()  # shallow: nested configs stay objects
+        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+                  if f.name not in ("seed", "size")}
+        try:  # validates the configuration; items are made on demand, not here
+            _gym().create_dataset(dataset, seed=0, size=1, **fields)
+        except Exception:  # noqa: BLE001 - the dataset refuses its own curriculum's level
+            continue
+        out.append(fields)
+    return out or [{}]
+
+
+class GymDomain:
+    """One reasoning-gym dataset as a domain; see the module docstring."""
+
+    resource = "cpu"
+    multi_turn = False
+
+    def __init__(self, dataset: str) -> None:
+        self.dataset = dataset
+        self.name = PREFIX + dataset
+        self.description = f"reasoning-gym's {dataset} tasks, scored by its own scorer"
+
+    @functools.cached_property
+    def _configs(self) -> list[dict[str, Any]]:
+        return tier_configs(self.dataset)
+
+    @property
+    def tiers(self) -> tuple[Tier, ...]:  # type: ignore[override]
+        return tuple(Tier(level=k, name=f"level-{k}",
+                          description=f"the {self.dataset} curriculum at global level {k}")
+                     for k in range(len(self._configs)))
+
+    def item(self, spec: GymSpec) -> tuple[Any, dict[str, Any]]:
+        """(the dataset, the item) a spec names; the same item every time."""
+        check_tier(self, spec.tier)
+        ds = _gym().create_dataset(spec.dataset, seed=spec.seed, size=1,
+                                   **self._configs[spec.tier])
+        return ds, ds[0]
+
+    def _task(self, tier: int, seed: int, task_id: str,
+              source: str = "generated") -> TaskSpec:
+        spec = GymSpec(dataset=self.dataset, tier=tier, seed=seed)
+        ds, entry = self.item(spec)
+        answer = entry.get("answer")
+        reference = None
+        if answer is not None and _scores_one(ds, str(answer), entry):
+            reference = f"<answer>{answer}</answer>"
+        return TaskSpec(task_id=task_id, domain=self.name, tier=tier,
+                        prompt=f"{entry['question']}\n\n{ANSWER_HINT}",
+                        spec=msgspec.to_builtins(spec), reference=reference, source=source)
+
+    def sample_task(self, rng: random.Random, tier: int) -> TaskSpec:
+        """An item by a fresh seed; a seed the generator fails on is skipped (a few
+        generators have corner cases), up to `SEED_TRIES` times."""
+        check_tier(self, tier)
+        for attempt in range(SEED_TRIES):
+            seed = rng.getrandbits(31)  # numpy-seeded generators take seed + index < 2**32
+            try:
+                return self._task(tier, seed, f"{self.name}-t{tier}-{seed:08x}")
+            except Exception as exc:  # noqa: BLE001 - reasoning-gym's own failure
+                if attempt == SEED_TRIES - 1:
+                    raise RuntimeError(f"{self.name} tier {tier}: {SEED_TRIES} seeds in a row "
+                                       f"failed to generate; last: {exc!r}") from exc
+        raise AssertionError("unreachable")
+
+    def task_from_row(self, row: Mapping[str, Any], *, where: str) -> TaskSpec:
+        r = decode_row(row, GymRow, where=where)
+        check_tier(self, r.tier)
+        return self._task(r.tier, r.seed, r.task_id or f"{self.name}-t{r.tier}-{r.seed:08x}",
+                          source="jsonl")
+
+    def load_tasks(self, path: str | Path) -> list[TaskSpec]:
+        return load_jsonl(path, lambda row, where: self.task_from_row(row, where=where))
+
+    def prompt(self, task: TaskSpec) -> str:
+        return task.prompt
+
+    async def verify(self, task: TaskSpec, completion: str) -> Verdict:
+        spec = msgspec.convert(task.spec, GymSpec)
+        answer = _gym().utils.extract_answer(completion, tag_name="answer")
+        if answer is None:
+            return Verdict(reward=0.0, outcome="fail", reason="no <answer>...</answer> tag",
+                           checks=[Check(name="answer_tag", passed=False)])
+        ds, entry = self.item(spec)
+        try:
+            score = _score(ds, answer, entry)
+        except Exception as exc:  # noqa: BLE001 - the scorer broke on this answer: say so
+            return Verdict(reward=0.0, outcome="error",
+                           reason=f"the {self.dataset} scorer raised "
+                                  f"{type(exc).__name__}: {exc}"[:300])
+        passed = score >= 1.0
+        return Verdict(reward=score, outcome="pass" if passed else "fail",
+                       reason=f"{self.dataset} scorer: {score:g}",
+                       checks=[Check(name="score", passed=passed)])
+
+
+def _score(ds: Any, answer: str, entry: dict[str, Any]) -> float:
+    score = float(ds.score_answer(answer, entry))
+    if not 0.0 <= score <= 1.0:
+        raise ValueError(f"a score outside [0, 1]: {score}")
+    return score
+
+
+def _scores_one(ds: Any, answer: str, entry: dict[str, Any]) -> bool:
+    try:
+        return _score(ds, answer, entry) == 1.0
+    except Exception:  # noqa: BLE001 - a reference its own scorer rejects is no reference
+        return False

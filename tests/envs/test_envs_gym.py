@@ -1,0 +1,120 @@
+"""reasoning-gym's task families as domains (`gym-<dataset>`): every one samples and scores."""
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+import trio
+
+from reinforge.envs.domain import DomainRegistry, Outcome, TaskSpec
+from reinforge.envs.domains import gym
+
+# Families whose items have many valid answers and no canonical one: no SFT reference.
+WITHOUT_REFERENCE = {"gym-boxnet", "gym-graph_color", "gym-propositional_logic",
+                     "gym-rubiks_cube", "gym-rush_hour"}
+
+
+@pytest.fixture(scope="module")
+def gym_domains():
+    registry = DomainRegistry.default()
+    return {n: registry.get(n) for n in registry.names(families=True)
+            if n.startswith(gym.PREFIX)}
+
+
+@pytest.fixture(scope="module")
+def verdicts(gym_domains):
+    """Per domain: a seeded tier-0 task and the verdicts of its reference, of a completion
+    without the answer tag, and of a wrong answer."""
+
+    async def judge():
+        out = {}
+        for name, domain in gym_domains.items():
+            task = domain.sample_task(random.Random(f"test:{name}"), 0)
+            out[name] = (task, {
+                "reference": task.reference and await domain.verify(task, task.reference),
+                "untagged": await domain.verify(task, "I do not know."),
+                "wrong": await domain.verify(task, "<answer>no such answer 42</answer>"),
+            })
+        return out
+
+    return trio.run(judge)
+
+
+def test_over_a_hundred_families_are_domains(gym_domains):
+    assert len(gym_domains) >= 100
+    assert all(len(d.tiers) >= 1 for d in gym_domains.values())
+    assert "gym-basic_arithmetic" in gym_domains and "gym-composite" not in gym_domains
+
+
+def test_every_reference_scores_one_and_the_families_without_one_are_known(verdicts):
+    without = {n for n, (task, _) in verdicts.items() if task.reference is None}
+    assert without == WITHOUT_REFERENCE
+    scored = {n: v["reference"] for n, (_, v) in verdicts.items() if n not in without}
+    assert {n for n, v in scored.items() if (v.reward, v.outcome) != (1.0, Outcome.PASS)} == set()
+
+
+def test_no_answer_scores_zero_and_no_wrong_answer_passes_anywhere(verdicts):
+    assert {n for n, (_, v) in verdicts.items() if v["untagged"].reward != 0.0} == set()
+    # before game_of_life_halting was left out, its scorer passed this answer
+    assert {n for n, (_, v) in verdicts.items() if v["wrong"].outcome == Outcome.PASS} == set()
+
+
+def test_a_scorer_that_raises_is_an_error_verdict_that_names_it(verdicts):
+    wrong = verdicts["gym-prime_factorization"][1]["wrong"]
+    assert (wrong.outcome, wrong.reward) == (Outcome.ERROR, 0.0)
+    assert wrong.reason.startswith("the prime_factorization scorer raised ValueError")
+
+
+def test_tasks_are_deterministic_by_seed_and_travel_as_plain_data(gym_domains):
+    domain = gym_domains["gym-basic_arithmetic"]
+    a, b = (domain.sample_task(random.Random(7), 2) for _ in range(2))
+    assert a == b and a.tier == 2 and a.spec["dataset"] == "basic_arithmetic"
+    import msgspec
+
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(a), type=TaskSpec) == a
+
+
+def test_tiers_follow_the_curriculum_and_a_level_the_dataset_rejects_is_left_out():
+    arithmetic = gym.tier_configs("basic_arithmetic")
+    assert [c["max_terms"] for c in arithmetic] == [2, 3, 4, 5, 6]
+    # knight_swap's curriculum keeps min_nodes at 4, below the 6 its own config demands:
+    # every level is refused, and the dataset's defaults are its one tier
+    assert gym.tier_configs("knight_swap") == [{}]
+
+
+def test_a_jsonl_row_names_an_item_by_tier_and_seed(gym_domains, tmp_path):
+    domain = gym_domains["gym-basic_arithmetic"]
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(json.dumps({"seed": 11, "tier": 1}) + "\n" + json.dumps({"tier": 0}) + "\n")
+    with pytest.raises(ValueError, match=r"tasks.jsonl:2"):
+        domain.load_tasks(path)
+    path.write_text(json.dumps({"seed": 11, "tier": 1, "task_id": "mine"}) + "\n")
+    (task,) = domain.load_tasks(path)
+    assert (task.task_id, task.tier, task.spec["seed"], task.source) == ("mine", 1, 11, "jsonl")
+
+
+def test_the_built_in_domains_load_without_importing_reasoning_gym():
+    code = ("import sys\nfrom reinforge.envs.domain import DomainRegistry\n"
+            "r = DomainRegistry.default(); r.get('math'); assert 'docqa' in r\n"
+            "print('reasoning_gym' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_envs_list_shows_the_gym_domains():
+    out = subprocess.run([sys.executable, "-m", "reinforge", "envs", "list", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    names = [d["name"] for d in json.loads(out.stdout)["domains"]]
+    assert len([n for n in names if n.startswith("gym-")]) >= 100
+
+
+def test_every_domain_means_the_singular_ones_unless_a_family_is_asked_for():
+    registry = DomainRegistry.default()
+    singular = registry.names()
+    assert "math" in singular and not any(n.startswith(gym.PREFIX) for n in singular)
+    assert "gym-basic_arithmetic" in registry  # asking for one brings its family in
+    assert len(registry.names()) >= len(singular) + 100
