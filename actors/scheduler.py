@@ -62,10 +62,10 @@ import trio
 from reinforge.rl.curriculum import (
     CurriculumConfig,
     DomainCurriculum,
+    DomainDraw,
     DomainCurriculumState,
     RunningStats,
     TaskRecord,
-    draw_domain,
     floored_signal_rate,
     issue_budget,
     mix_probabilities,
@@ -573,10 +573,6 @@ class Scheduler(Actor):
         floors = {**cfg.replay_floors, **self.mix.replay_floors}
         return mix_probabilities(self.weights(), eligible=eligible, floors=floors, boosts=boosts)
 
-    def _quota(self, domain: str) -> int | None:
-        quotas = {**self.config.max_in_flight_per_domain, **self.mix.max_in_flight_per_domain}
-        return quotas.get(domain)
-
     def _in_flight_by_domain(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for lease in self.state.leases.values():
@@ -615,23 +611,30 @@ class Scheduler(Actor):
 
     def _plan(self, now: float) -> Iterator[Task]:
         """New tasks within the budget, domain by the mix, tier by the curriculum; their
-        leases start at `now`."""
+        leases start at `now`. The mix's draw is built once per batch and again only when
+        a domain drops out (its quota filled, or no task to give), so a batch costs O(D)
+        once, not per task."""
+        quotas = {**self.config.max_in_flight_per_domain, **self.mix.max_in_flight_per_domain}
         by_domain = self._in_flight_by_domain()
-        eligible = set(self.curricula)
+        eligible = {d for d in self.curricula
+                    if d not in quotas or by_domain.get(d, 0) < quotas[d]}
+        draw: DomainDraw | None = None
         for _ in range(self.budget()):
-            eligible = {d for d in eligible if (q := self._quota(d)) is None
-                        or by_domain.get(d, 0) < q}
-            probs = self.probabilities(eligible)
-            if not probs:
-                return
+            if draw is None:
+                probs = self.probabilities(eligible)
+                if not probs:
+                    return
+                draw = DomainDraw(probs)
             rng = random.Random(f"{self.config.seed}:{self.state.issued}")
-            domain = draw_domain(probs, rng)
+            domain = draw(rng)
             task = self._new_task(domain, rng, now)
-            if task is None:
+            if task is not None:
+                by_domain[domain] = by_domain.get(domain, 0) + 1
+            if task is None or (domain in quotas and by_domain[domain] >= quotas[domain]):
                 eligible.discard(domain)
-                continue
-            by_domain[domain] = by_domain.get(domain, 0) + 1
-            yield task
+                draw = None
+            if task is not None:
+                yield task
 
     def _new_task(self, name: str, rng: random.Random, now: float) -> Task | None:
         cfg: SchedulerConfig = self.config

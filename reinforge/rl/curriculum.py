@@ -16,6 +16,7 @@ dynamic sampling).
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Mapping, Sequence
@@ -267,11 +268,24 @@ def mix_probabilities(
     return {d: v / total for d, v in p.items()} if total > 0 else {}
 
 
+class DomainDraw:
+    """Draws a domain by fixed probabilities: names sorted and cumulative weights made once,
+    so each draw is one bisection (a scheduler plans a batch from one of these, not one
+    sort of every domain per task). The same rng gives the same domain as
+    `rng.choices(sorted names, weights)`."""
+
+    def __init__(self, probabilities: Mapping[str, float]) -> None:
+        if not probabilities:
+            raise ValueError("draw_domain: no eligible domain")
+        self.names = sorted(probabilities)
+        self.cum_weights = list(itertools.accumulate(probabilities[d] for d in self.names))
+
+    def __call__(self, rng: random.Random) -> str:
+        return rng.choices(self.names, cum_weights=self.cum_weights, k=1)[0]
+
+
 def draw_domain(probabilities: Mapping[str, float], rng: random.Random) -> str:
-    if not probabilities:
-        raise ValueError("draw_domain: no eligible domain")
-    names = sorted(probabilities)
-    return rng.choices(names, weights=[probabilities[d] for d in names], k=1)[0]
+    return DomainDraw(probabilities)(rng)
 
 
 # ----------------------------------------------------------------------------- flow control
@@ -293,11 +307,12 @@ def issue_budget(
     issued now must be trained on within `max_staleness` versions, so at most
     `groups_per_version * (max_staleness + 1)` groups the learner will train on may be ahead
     of it: those expected from the tasks in flight plus `queued`, those complete and not yet
-    trained (the learner's decisions say which). A group without signal (all rewards equal) never reaches the learner, so a task
-    counts by its chance of carrying signal: `expected_in_flight` (default: every task
-    counts 1) and `signal_rate` for a new task. At 8 % signal, counting every task as 1 would
-    keep 6 tasks in flight for a learner that wants 2 groups: half a group of signal ahead of
-    it. The budget is never more than `max_in_flight - in_flight`.
+    trained (the learner's decisions say which). A group without signal (all rewards equal)
+    never reaches the learner, so a task counts by its chance of carrying signal:
+    `expected_in_flight` (default: every task counts 1) and `signal_rate` for a new task. At
+    8 % signal, counting every task as 1 would keep 6 tasks in flight for a learner that
+    wants 2 groups: half a group of signal ahead of it. The budget is never more than
+    `max_in_flight - in_flight`.
     """
     if not 0.0 < signal_rate <= 1.0:
         raise ValueError(f"issue_budget: signal_rate must be in (0, 1], got {signal_rate}")

@@ -610,3 +610,20 @@ def test_groups_without_signal_widen_the_pipeline_and_one_with_signal_closes_it(
             assert st.counters["math"].decided["trained"] == 1
 
     trio.run(main)
+
+
+def test_a_domain_quota_caps_its_tasks_in_flight_and_the_rest_go_to_the_others(
+    creds, run_name, tmp_path
+):
+    cfg = config(tmp_path, domains={"math": 1.0, "docqa": 1.0}, group_size=2, max_in_flight=6,
+                 groups_per_version=100, max_in_flight_per_domain={"math": 1})
+    state_path = tmp_path / "state.json"
+
+    async def main():
+        async with open_bus(creds) as bus, scheduler(creds, run_name, cfg):
+            await bus.ensure_run_stream(run_name)
+            await wait_state(state_path, lambda s: len(s.leases) == 6)
+            st = await saved_after_a_planning_pass(bus, run_name, state_path)
+            return Counter(lease.task.domain for lease in st.leases.values())
+
+    assert trio.run(main) == {"math": 1, "docqa": 5}

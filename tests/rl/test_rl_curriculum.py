@@ -10,6 +10,7 @@ import pytest
 from reinforge.rl.curriculum import (
     CurriculumConfig,
     DomainCurriculum,
+    DomainDraw,
     RunningStats,
     TaskRecord,
     draw_domain,
@@ -262,3 +263,16 @@ def test_in_simulation_the_curriculum_wastes_fewer_groups_than_fixed_or_uniform_
     assert cur.level == 2
     assert curriculum < 0.5 * uniform and curriculum < 0.5 * easiest, (curriculum, uniform,
                                                                          easiest)
+
+
+def test_a_draw_built_once_picks_what_a_fresh_weighted_choice_would():
+    """The planner draws a batch from one DomainDraw; each pick must be the one
+    rng.choices over the sorted names would make with the same rng state."""
+    probs = {f"d{i}": (i % 7 + 1) / 100 for i in range(50)}
+    draw = DomainDraw(probs)
+    names = sorted(probs)
+    for seed in range(200):
+        expected = random.Random(seed).choices(names, weights=[probs[d] for d in names])[0]
+        assert draw(random.Random(seed)) == expected
+    with pytest.raises(ValueError, match="no eligible domain"):
+        DomainDraw({})
