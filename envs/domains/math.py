@@ -22,7 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from reinforge.envs.domains.answers import answers_match, extract_final_answer
+from reinforge.envs.domains.answers import (
+    equivalent,
+    extract_final_answer,
+    extract_math_answer,
+)
 from reinforge.envs.domain import Check, TaskSpec, Tier, Verdict, check_tier
 from reinforge.envs.tasksets import decode_row, load_jsonl
 
@@ -167,7 +171,7 @@ class MathDomain:
     def score(self, task: TaskSpec, completion: str) -> Verdict:
         """The synchronous check behind `verify` (pure)."""
         spec = msgspec.convert(task.spec, MathSpec)
-        ex = extract_final_answer(completion)
+        ex = extract_math_answer(completion)
         found = Check(
             name="answer_found",
             passed=ex.answer is not None,
@@ -180,7 +184,7 @@ class MathDomain:
                 else "no final answer (expected '#### <answer>' or \\boxed{})"
             )
             return Verdict(reward=0.0, outcome="fail", checks=[found], reason=reason)
-        ok = answers_match(ex.answer, spec.answer, rel_tol=spec.rel_tol, abs_tol=spec.abs_tol)
+        ok = equivalent(ex.answer, spec.answer, rel_tol=spec.rel_tol, abs_tol=spec.abs_tol)
         match = Check(
             name="answer_matches", passed=ok, detail=f"expected {spec.answer!r}, got {ex.answer!r}"
         )

@@ -1,16 +1,21 @@
 """The explicit answer-extraction rules of reinforge.envs.domains.answers, one by one."""
 
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from reinforge.envs.domains.answers import (
+    SYMBOLIC_MAX_CHARS,
+    agreement,
     answers_match,
     boxed_contents,
     extract_final_answer,
+    judge_math,
     normalize_answer,
     parse_number,
+    symbolically_equal,
 )
 
 
@@ -130,3 +135,41 @@ def test_every_written_form_of_a_rational_matches_and_its_neighbours_do_not(num,
         assert got is not None and answers_match(got, expected), form
     for near in (x + Fraction(1, 10**6), x - Fraction(1, den + 1)):
         assert not answers_match(f"{near.numerator}/{near.denominator}", expected)
+
+
+# -- graders' rules (6-8) and math-verify, as the math domain judges ---------------------
+
+CASES = Path(__file__).with_name("data") / "math_equivalence.jsonl"
+
+
+def test_the_math_judge_agrees_with_the_labelled_cases_and_never_passes_a_wrong_one():
+    figures = agreement(str(CASES))
+    assert figures["cases"] >= 150 and figures["false_positives"] == 0
+    assert figures["agreement"] >= 0.95
+
+
+@pytest.mark.parametrize("completion, expected", [
+    (r"Answer \[ 9 \]", "9"), ("The answer is 9.", "9"), ("1 000", "1000"), ("1,22", "1.22"),
+    (r"$\frac{1}{3} \text{meters}$", "1/3"), (r"$\sqrt3$", r"\sqrt{3}"), ("$[0,1)$", "[0,1)"),
+    (r"\boxed{(x+1)^2}", "x^2+2x+1"), ("2^{10}", "1024"),
+])
+def test_answers_graders_accept_are_accepted(completion, expected):
+    assert judge_math(completion, expected).ok
+
+
+@pytest.mark.parametrize("completion, expected, rule", [
+    ("The answer is 3, or maybe 2", "2", "ambiguous"),   # two numbers: a hedge
+    (r"$x=4$ or $x=-4$", "4", "ambiguous"),               # two spans: a hedge
+    (r"\boxed{12} or \boxed{13}", "12", "ambiguous"),
+    ("0.33", "1/3", "bare"),                               # plain numbers stay exact
+    ("$[0,1]$", "[0,1)", "span"),
+])
+def test_hedges_and_near_misses_still_fail(completion, expected, rule):
+    judged = judge_math(completion, expected)
+    assert (judged.ok, judged.rule) == (False, rule)
+
+
+def test_an_answer_too_long_for_sympy_is_not_tried():
+    short, long = "+".join(["x"] * 3), "+".join(["x"] * 300)
+    assert symbolically_equal(short, "3x")
+    assert len(long) > SYMBOLIC_MAX_CHARS and not symbolically_equal(long, long)
