@@ -14,10 +14,15 @@ the regression guard that rolls a bad version back.
   per-run pass rates (run j = the j-th sample of every task) and their spread are the
   multi-run stability figures. Samples whose verification hit an infrastructure fault are
   masked, never counted as failures.
-* Regression guard: a version with a domain below its `thresholds` entry triggers a
-  `Rollback` to the last version that met every threshold (msg_id
-  f"rollback:{to}:{bad}"); it is said loudly on stderr. Without a good version to go back
-  to, it says so and publishes nothing.
+* Regression guard: a version with a domain below its `thresholds` entry, or whose pass@1
+  fell against that domain's baseline (its scores at the last good version that evaluated
+  it) by more than `drop_margin` with a one-sided sign test on the shared tasks at
+  p < `drop_alpha` (a test on counts, not a threshold on noisy pass rates), triggers a
+  `Rollback` to the last good version (msg_id f"rollback:{to}:{bad}"); it is said loudly on
+  stderr. Without a good version to go back to, it says so and publishes nothing.
+* Many domains: `domains_per_version` evaluates that many per version, in a fixed
+  rotation, so each domain is seen at least every ceil(D / domains_per_version) evaluated
+  versions.
 * Generation: the evaluator's own rollout server (`server_url`, or one it starts on the
   first version it sees), loaded with each version through /update_weights_from_disk.
 """
@@ -40,7 +45,7 @@ from reinforge.rl.evalsets import (
     require_clean,
 )
 from reinforge.rl.prompts import task_prompt_ids
-from reinforge.rl.scoring import DomainScore, score_domain
+from reinforge.rl.scoring import DomainScore, drop_test, score_domain
 from reinforge.core import paths, subjects
 from reinforge.core.actor import Actor, Input
 from reinforge.core.atomic import write_json_atomic
@@ -63,6 +68,13 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     cheaper guard on a subset of the run's held-out sets."""
     thresholds: dict[str, float] = {}
     """Minimum pass@1 per domain; below it, the version is rolled back."""
+    drop_alpha: float = 0.01
+    """A fall of pass@1 against the domain's baseline counts when the sign test on the
+    shared held-out tasks gives p below this (0: no such guard)."""
+    drop_margin: float = 0.05
+    """... and the mean fall is larger than this."""
+    domains_per_version: int = 0
+    """Domains evaluated per version, in rotation (0: every domain every time)."""
     every_versions: int = 1
     """Evaluate versions that are multiples of this."""
     server_url: str = ""
@@ -97,6 +109,10 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
                              f"samples={n}")
         if self.every_versions < 1 or self.concurrency < 1:
             raise ValueError("EvaluatorConfig: every_versions and concurrency must be >= 1")
+        if not 0.0 <= self.drop_alpha < 1.0 or self.drop_margin < 0 or \
+                self.domains_per_version < 0:
+            raise ValueError("EvaluatorConfig: need 0 <= drop_alpha < 1, drop_margin >= 0 and "
+                             "domains_per_version >= 0")
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -175,31 +191,64 @@ class GoodVersion(msgspec.Struct, frozen=True, kw_only=True):
     path: str
 
 
+class Baseline(msgspec.Struct, frozen=True, kw_only=True):
+    """A domain's per-task pass@1 at the last good version that evaluated it."""
+
+    version: int
+    task_pass_at_1: dict[str, float]
+
+
 def regression_rollback(
     version: int,
     scores: Mapping[str, DomainScore],
     thresholds: Mapping[str, float],
     last_good: GoodVersion | None,
+    *,
+    baselines: Mapping[str, Baseline] | None = None,
+    drop_alpha: float = 0.0,
+    drop_margin: float = 0.0,
 ) -> tuple[list[str], Rollback | None]:
-    """(domains below their threshold, the Rollback to publish or None).
+    """(domains that regressed, the Rollback to publish or None). A domain regresses when
+    it is below its threshold, or (with `drop_alpha` > 0) its pass@1 fell against its
+    baseline by more than `drop_margin` with a sign test at p < `drop_alpha`.
 
     A domain without verified tasks is not judged. No rollback without a good version older
     than this one."""
-    below = sorted(
-        d for d, s in scores.items()
-        if d in thresholds and s.n_tasks > 0 and s.pass_at_1 < thresholds[d]
-    )
-    if not below or last_good is None or last_good.version >= version:
-        return below, None
-    detail = ", ".join(f"{d} pass@1 {scores[d].pass_at_1:.3f} < {thresholds[d]:.3f}" for d in below)
-    return below, Rollback(
+    why: dict[str, str] = {}
+    for d, s in scores.items():
+        if s.n_tasks == 0:
+            continue
+        if d in thresholds and s.pass_at_1 < thresholds[d]:
+            why[d] = f"{d} pass@1 {s.pass_at_1:.3f} < {thresholds[d]:.3f}"
+        base = (baselines or {}).get(d)
+        if drop_alpha and base is not None and base.version < version and d not in why:
+            t = drop_test(base.task_pass_at_1, s.task_pass_at_1)
+            if t.p_value < drop_alpha and t.delta < -drop_margin:
+                why[d] = (f"{d} pass@1 fell {-t.delta:.3f} since v{base.version} on "
+                          f"{t.n_tasks} tasks ({t.worse} worse, {t.better} better; sign test "
+                          f"p={t.p_value:.2g})")
+    flagged = sorted(why)
+    if not flagged or last_good is None or last_good.version >= version:
+        return flagged, None
+    return flagged, Rollback(
         to_version=last_good.version, path=last_good.path,
-        reason=f"version {version} regressed: {detail}",
+        reason=f"version {version} regressed: {', '.join(why[d] for d in flagged)}",
     )
+
+
+def rotation(names: Sequence[str], start: int, per_version: int) -> list[str]:
+    """The `per_version` domains after `start` in a fixed order, wrapping (0: all)."""
+    if not per_version or per_version >= len(names):
+        return list(names)
+    return [names[(start + i) % len(names)] for i in range(per_version)]
 
 
 class EvaluatorState(msgspec.Struct, kw_only=True):
     last_good: GoodVersion | None = None
+    baselines: dict[str, Baseline] = {}
+    """Per domain, its scores at the last good version that evaluated it."""
+    rotation_start: int = 0
+    """Where the next version's rotation of domains begins."""
     evaluated: list[str] = []
     """f"{version}:{path}" of every version scored; a Rollback forgets those past its
     to_version, whose numbers (and paths) the learner reuses for new checkpoints."""
@@ -342,6 +391,8 @@ class Evaluator(Actor):
             # the learner reuses the numbers (and paths) past to_version: score them afresh
             self.state.evaluated = [k for k in self.state.evaluated
                                     if int(k.split(":", 1)[0]) <= msg.to_version]
+            self.state.baselines = {d: b for d, b in self.state.baselines.items()
+                                    if b.version <= msg.to_version}
             write_json_atomic(self.state_path, self.state)
             return
         key = f"{msg.version}:{msg.path}"
@@ -353,14 +404,17 @@ class Evaluator(Actor):
             self.skipped_versions += 1
             print(f"evaluator: {exc}", file=sys.stderr, flush=True)
             return
+        names = rotation(sorted(self.sets), self.state.rotation_start, cfg.domains_per_version)
+        sets = {d: self.sets[d] for d in names}
         with self.ctx.waiting(f"evaluating version {msg.version}", deadline_s=cfg.ack_wait_s):
             t0 = time.monotonic()
-            scores = await evaluate_sets(self.sets, self.domains, source,
+            scores = await evaluate_sets(sets, self.domains, source,
                                          samples=cfg.samples or cfg.k, k=cfg.k,
                                          concurrency=cfg.concurrency)
         self.last_scores = scores
         await self.publish_scores(msg.version, scores, time.monotonic() - t0)
         await self.guard(msg, scores)
+        self.state.rotation_start += len(names)
         self.state.evaluated.append(key)
         write_json_atomic(self.state_path, self.state)
 
@@ -382,13 +436,20 @@ class Evaluator(Actor):
                   flush=True)
 
     async def guard(self, msg: WeightsPublished, scores: dict[str, DomainScore]) -> None:
-        below, rollback = regression_rollback(msg.version, scores, self.config.thresholds,
-                                              self.state.last_good)
+        cfg: EvaluatorConfig = self.config
+        below, rollback = regression_rollback(
+            msg.version, scores, cfg.thresholds, self.state.last_good,
+            baselines=self.state.baselines, drop_alpha=cfg.drop_alpha,
+            drop_margin=cfg.drop_margin)
         if not below:
             self.state.last_good = GoodVersion(version=msg.version, path=msg.path)
+            for d, s in scores.items():
+                if s.n_tasks:
+                    self.state.baselines[d] = Baseline(version=msg.version,
+                                                       task_pass_at_1=s.task_pass_at_1)
             return
         if rollback is None:
-            loud(f"version {msg.version} is below threshold in {', '.join(below)}, and there "
+            loud(f"version {msg.version} regressed in {', '.join(below)}, and there "
                  "is no earlier good version to roll back to")
             return
         loud(f"REGRESSION: {rollback.reason}; rolling back to version {rollback.to_version} "

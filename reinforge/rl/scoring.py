@@ -137,3 +137,28 @@ def mean_change(changes: Sequence[Change]) -> Change:
     se = math.sqrt(sum(((c.ci95[1] - c.ci95[0]) / (2 * 1.96)) ** 2 for c in changes)) / d
     return Change(delta=delta, ci95=(delta - 1.96 * se, delta + 1.96 * se),
                   n_tasks=sum(c.n_tasks for c in changes))
+
+
+class DropTest(msgspec.Struct, frozen=True, kw_only=True):
+    """Whether pass@1 fell on the held-out tasks two evaluations share: a test on counts."""
+
+    delta: float
+    """Mean over the shared tasks of (after - before)."""
+    worse: int
+    better: int
+    """Tasks whose pass@1 fell / rose (ties carry no evidence either way)."""
+    p_value: float
+    """One-sided exact sign test: P(at least `worse` of `worse + better` fair coin flips)."""
+    n_tasks: int
+
+
+def drop_test(before: Mapping[str, float], after: Mapping[str, float]) -> DropTest:
+    """The sign test of a fall of pass@1, paired by task (a task's difficulty cancels out).
+    Worked example: 9 tasks worse, 1 better, p = (C(10,9) + C(10,10)) / 2**10 = 0.0107."""
+    common = sorted(set(before) & set(after))
+    worse = sum(after[t] < before[t] for t in common)
+    better = sum(after[t] > before[t] for t in common)
+    n = worse + better
+    p = sum(math.comb(n, i) for i in range(worse, n + 1)) / 2**n if n else 1.0
+    delta = sum(after[t] - before[t] for t in common) / len(common) if common else 0.0
+    return DropTest(delta=delta, worse=worse, better=better, p_value=p, n_tasks=len(common))

@@ -21,13 +21,16 @@ from reinforge.rl.evalsets import (
     require_clean,
 )
 from reinforge.actors.evaluator import (
+    Baseline,
     Evaluator,
     EvaluatorConfig,
     GoodVersion,
     evaluate_sets,
     regression_rollback,
+    rotation,
     score_domain,
 )
+from reinforge.rl.scoring import drop_test
 from reinforge.core import messages as m
 from reinforge.core import subjects
 from reinforge.core.actor import RuntimeConfig, run_actor
@@ -361,3 +364,56 @@ def test_scoring_the_first_n_per_tier_is_the_held_out_set_of_n_per_tier():
     assert {d: [t.task_id for t in ts] for d, ts in subset.items()} == {
         d: [t.task_id for t in ts] for d, ts in narrow.items()}
     assert first_per_tier(wide, 0) == {d: list(ts) for d, ts in wide.items()}
+
+
+# ----------------------------------------------------------------------------- many domains
+
+
+def _tasks(passes: list[float]) -> dict[str, float]:
+    return {f"t{i}": p for i, p in enumerate(passes)}
+
+
+def _scored(passes: list[float]):
+    """A DomainScore whose per-task pass@1 are `passes` (2 samples a task)."""
+    rows = [[p >= 0.5, p >= 1.0] for p in passes]
+    return score_domain("x", rows, k=1, task_ids=list(_tasks(passes)))
+
+
+def test_the_sign_test_counts_tasks_that_fell_against_those_that_rose():
+    t = drop_test(_tasks([1.0] * 10), _tasks([0.0] * 9 + [1.0]))
+    assert (t.worse, t.better, t.n_tasks) == (9, 0, 10)
+    assert t.p_value == pytest.approx(1 / 2**9)
+    mixed = drop_test(_tasks([0.5] * 10), _tasks([0.0] * 9 + [1.0]))
+    assert (mixed.worse, mixed.better) == (9, 1)
+    assert mixed.p_value == pytest.approx((10 + 1) / 2**10)  # the docstring's example
+    assert drop_test({}, {}).p_value == 1.0
+
+
+def test_a_real_fall_rolls_back_and_noise_of_the_same_mean_does_not():
+    base = {"math": Baseline(version=4, task_pass_at_1=_tasks([1.0] * 20))}
+    good = GoodVersion(version=4, path="/v4")
+    # 16 of 20 tasks fell from 1.0 to 0.5: p = 2**-16
+    real = {"math": _scored([0.5] * 16 + [1.0] * 4)}
+    flagged, rb = regression_rollback(6, real, {}, good, baselines=base, drop_alpha=0.01,
+                                      drop_margin=0.05)
+    assert flagged == ["math"] and rb.to_version == 4
+    assert "math pass@1 fell 0.400 since v4 on 20 tasks (16 worse, 0 better" in rb.reason
+    # the same fall of the mean on a baseline where half the tasks rise: not significant
+    noisy_base = {"math": Baseline(version=4, task_pass_at_1=_tasks([1.0] * 12 + [0.0] * 8))}
+    noisy = {"math": _scored([0.0] * 12 + [0.5] * 8)}
+    assert regression_rollback(6, noisy, {}, good, baselines=noisy_base, drop_alpha=0.01,
+                               drop_margin=0.05) == ([], None)
+    # without the drop guard (drop_alpha 0) the real fall passes: thresholds only
+    assert regression_rollback(6, real, {}, good, baselines=base) == ([], None)
+
+
+def test_the_rotation_sees_every_domain_within_its_bound():
+    names = [f"d{i}" for i in range(10)]
+    seen, start = [], 0
+    for _ in range(4):  # ceil(10 / 3) versions
+        picked = rotation(names, start, 3)
+        assert len(picked) == 3
+        seen += picked
+        start += len(picked)
+    assert set(seen) == set(names)
+    assert rotation(names, 7, 0) == names  # 0: every domain every version
