@@ -27,6 +27,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,10 @@ class MonitorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """A process whose last heartbeat is older than this is left out of snapshots."""
     run_dir: str = ""
     """Where the run keeps its files; "" = core.paths.run_dir(run)."""
+    max_domain_series: int = 20
+    """Per-domain series in /metrics and TensorBoard for at most this many domains (those
+    with the most samples); the rest are summed (counters) or sample-weighted (gauges)
+    into one `domain="_other"` series, so a hundred domains do not explode cardinality."""
 
     def __post_init__(self) -> None:
         if not -1 <= self.port <= 65535:
@@ -82,6 +87,9 @@ class MonitorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             raise ValueError(
                 f"MonitorConfig.target_version must be >= 0, got {self.target_version}"
             )
+        if self.max_domain_series < 1:
+            raise ValueError(f"MonitorConfig.max_domain_series must be >= 1, got "
+                             f"{self.max_domain_series}")
 
 
 # ----------------------------------------------------------------------------- snapshot
@@ -371,7 +379,44 @@ def train_figures(msg: TrainStats) -> dict[str, float]:
 # ----------------------------------------------------------------------------- outputs
 
 
-def tensorboard_scalars(snap: Snapshot) -> dict[str, float]:
+OTHER_DOMAINS = "_other"
+
+
+def series_domains(samples: Mapping[str, int], cap: int) -> set[str]:
+    """The domains that keep series of their own: the `cap` with the most samples (ties by
+    name); the others go into `OTHER_DOMAINS`."""
+    return set(sorted(samples, key=lambda d: (-samples[d], d))[:cap])
+
+
+def _weighted(values: list[tuple[float | None, int]]) -> float | None:
+    known = [(v, w) for v, w in values if v is not None and w > 0]
+    total = sum(w for _, w in known)
+    return sum(v * w for v, w in known) / total if total else None
+
+
+def capped_domains(domains: list[DomainSnapshot], cap: int) -> list[DomainSnapshot]:
+    """`domains` with all but the `cap` busiest folded into one `_other` entry (samples and
+    tokens summed; window figures weighted by samples; no evaluation figures)."""
+    keep = series_domains({d.domain: d.samples for d in domains}, cap)
+    rest = [d for d in domains if d.domain not in keep]
+    if not rest:
+        return list(domains)
+    mix: dict[str, float] = collections.defaultdict(float)
+    weight = sum(d.samples for d in rest) or 1
+    for d in rest:
+        for tier, share in d.tier_mix.items():
+            mix[tier] += share * d.samples / weight
+    other = DomainSnapshot(
+        domain=OTHER_DOMAINS, samples=sum(d.samples for d in rest),
+        infra_errors=sum(d.infra_errors for d in rest), tokens=sum(d.tokens for d in rest),
+        samples_per_s=sum(d.samples_per_s for d in rest),
+        reward_mean=_weighted([(d.reward_mean, d.samples) for d in rest]),
+        pass_rate=_weighted([(d.pass_rate, d.samples) for d in rest]),
+        tier_mean=_weighted([(d.tier_mean, d.samples) for d in rest]), tier_mix=dict(mix))
+    return [d for d in domains if d.domain in keep] + [other]
+
+
+def tensorboard_scalars(snap: Snapshot, max_domains: int = 20) -> dict[str, float]:
     """The snapshot's figures as TensorBoard tags (None values left out)."""
     out: dict[str, float | None] = {
         "throughput/samples_per_s": snap.samples_per_s,
@@ -380,7 +425,7 @@ def tensorboard_scalars(snap: Snapshot) -> dict[str, float]:
         "policy/staleness_mean": snap.staleness_mean,
         "policy/rollbacks": float(snap.rollbacks),
     }
-    for d in snap.domains:
+    for d in capped_domains(snap.domains, max_domains):
         out[f"reward/{d.domain}"] = d.reward_mean
         out[f"pass_rate/{d.domain}"] = d.pass_rate
         out[f"tier_mean/{d.domain}"] = d.tier_mean
@@ -392,9 +437,22 @@ def tensorboard_scalars(snap: Snapshot) -> dict[str, float]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def prometheus_samples(state: MonitorState, snap: Snapshot) -> list[mx.Sample]:
-    """Everything `/metrics` shows: counters from the state, gauges from the snapshot."""
+def prometheus_samples(state: MonitorState, snap: Snapshot,
+                       max_domains: int = 20) -> list[mx.Sample]:
+    """Everything `/metrics` shows: counters from the state, gauges from the snapshot;
+    per-domain series for the `max_domains` busiest domains, the rest as `_other`."""
     run = {"run": snap.run}
+    keep = series_domains(dict(state.samples), max_domains)
+
+    def label(domain: str) -> str:
+        return domain if domain in keep else OTHER_DOMAINS
+
+    outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
+    for (domain, outcome), n in state.outcomes.items():
+        outcomes[(label(domain), outcome)] += n
+    tokens: collections.Counter[str] = collections.Counter()
+    for domain, n in state.tokens.items():
+        tokens[label(domain)] += n
     S = mx.Sample
     out = [
         S(name="reinforge_policy_version", value=snap.policy_version, labels=run,
@@ -412,14 +470,14 @@ def prometheus_samples(state: MonitorState, snap: Snapshot) -> list[mx.Sample]:
     if snap.eta_s is not None:
         out.append(S(name="reinforge_eta_seconds", value=snap.eta_s, labels=run,
                      help="Estimated time to the target policy version."))
-    for (domain, outcome), n in sorted(state.outcomes.items()):
+    for (domain, outcome), n in sorted(outcomes.items()):
         out.append(S(name="reinforge_scored_total", value=n, kind="counter",
                      labels={**run, "domain": domain, "outcome": outcome},
                      help="Scored rollouts by domain and outcome."))
-    for domain, n in sorted(state.tokens.items()):
+    for domain, n in sorted(tokens.items()):
         out.append(S(name="reinforge_tokens_total", value=n, kind="counter",
                      labels={**run, "domain": domain}, help="Generated tokens by domain."))
-    for d in snap.domains:
+    for d in capped_domains(snap.domains, max_domains):
         labels = {**run, "domain": d.domain}
         for name, value, text in (
             ("reinforge_reward_mean", d.reward_mean, "Mean reward over the window."),
@@ -597,7 +655,8 @@ class Monitor(Actor):
         self._write({**record, "kind": "snapshot"})
         mx.write_json_file(self.dir / "metrics" / "snapshot.json", record)
         if self.tb is not None:
-            self.tb.scalars(tensorboard_scalars(snap), step=int(snap.elapsed_s), walltime=snap.t)
+            self.tb.scalars(tensorboard_scalars(snap, self.config.max_domain_series),
+                            step=int(snap.elapsed_s), walltime=snap.t)
             self.tb.flush()
 
     async def _consumer_queues(self) -> dict[str, float]:
@@ -623,7 +682,8 @@ class Monitor(Actor):
     def _pages(self) -> dict[str, mx.Route]:
         def metrics_page() -> tuple[str, bytes]:
             snap = self.state.snapshot(time.time())
-            text = mx.prometheus_text(prometheus_samples(self.state, snap))
+            text = mx.prometheus_text(prometheus_samples(self.state, snap,
+                                                         self.config.max_domain_series))
             return mx.PROMETHEUS_CONTENT_TYPE, text.encode()
 
         def snapshot_page() -> tuple[str, bytes]:

@@ -123,6 +123,28 @@ def logprob_gap_over_run(train: list[Record]) -> dict[str, float]:
     return out
 
 
+MASTERED_AT = 0.9
+"""A domain whose last held-out pass@1 reaches this is mastered (the frontier table)."""
+
+
+def frontier(evals: list[Record]) -> dict[str, str]:
+    """Where each evaluated domain stands: "mastered" (last pass@1 >= MASTERED_AT),
+    "out of reach" (pass@1 0 in every evaluation), else "learning"."""
+    by_domain: dict[str, list[Record]] = collections.defaultdict(list)
+    for r in evals:
+        by_domain[r["domain"]].append(r)
+    out = {}
+    for d, rows in by_domain.items():
+        rows.sort(key=lambda r: (r["version"], r["t"]))
+        if rows[-1]["pass_at_1"] >= MASTERED_AT:
+            out[d] = "mastered"
+        elif all(r["pass_at_1"] == 0 for r in rows):
+            out[d] = "out of reach"
+        else:
+            out[d] = "learning"
+    return out
+
+
 def summarise(records: list[Record]) -> tuple[dict[str, Any], dict[str, dict[str, Any]],
                                               dict[str, dict[str, Any]], list[str]]:
     """The final figures: global, per domain, per process type; and what is missing."""
@@ -172,6 +194,7 @@ def summarise(records: list[Record]) -> tuple[dict[str, Any], dict[str, dict[str
             figures[f"learner_{name}"] = value
 
     domains: dict[str, dict[str, Any]] = {}
+    places = frontier(evals)
     names = sorted({r["domain"] for r in scored} | {r["domain"] for r in evals})
     for d in names:
         rows = [r for r in scored if r["domain"] == d]
@@ -193,6 +216,7 @@ def summarise(records: list[Record]) -> tuple[dict[str, Any], dict[str, dict[str
             "eval_pass_at_k_first": dev[0]["pass_at_k"] if dev else None,
             "eval_pass_at_k_last": dev[-1]["pass_at_k"] if dev else None,
             "eval_k": dev[-1].get("k") if dev else None,
+            "frontier": places.get(d, "not evaluated"),
         }
         domains[d] = info
         if not rows:
@@ -293,6 +317,33 @@ def plot_eval(domains: dict[str, dict[str, Any]], path: Path) -> bool:
         ax.set_xlabel(f"not evaluated: {', '.join(never)}", color="gray")
     ax.legend(loc="upper left", fontsize=8, ncols=4)
     ax.grid(axis="y", alpha=0.3)
+    fig.savefig(path)
+    return True
+
+
+def plot_eval_heatmap(evals: list[Record], path: Path) -> bool:
+    """Held-out pass@1 per domain (rows) and evaluated version (columns); blank: that
+    version did not evaluate the domain (a rotation)."""
+    import numpy as np
+
+    if not evals:
+        return False
+    names = sorted({r["domain"] for r in evals})
+    versions = sorted({r["version"] for r in evals})
+    grid = np.full((len(names), len(versions)), np.nan)
+    for r in sorted(evals, key=lambda r: r["t"]):  # the newest evaluation of a cell wins
+        grid[names.index(r["domain"]), versions.index(r["version"])] = r["pass_at_1"]
+    fig, (ax,) = _figure(1, height=min(40.0, 1.2 + 0.22 * len(names)),
+                         width=min(24.0, 4.0 + 0.25 * len(versions)))
+    image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", vmin=0.0, vmax=1.0,
+                      cmap="viridis", interpolation="nearest")
+    ax.set_yticks(range(len(names)), names, fontsize=6 if len(names) > 30 else 8)
+    step = max(1, len(versions) // 20)
+    ax.set_xticks(range(0, len(versions), step), [f"v{v}" for v in versions[::step]],
+                  fontsize=7)
+    ax.set_xlabel("policy version evaluated")
+    ax.set_title("held-out pass@1 per domain over versions")
+    fig.colorbar(image, ax=ax, fraction=0.03, pad=0.02)
     fig.savefig(path)
     return True
 
@@ -451,6 +502,7 @@ FIGURE_LABELS = {
 PLOTS = [
     ("reward_pass_rate.png", "Reward and pass rate per domain"),
     ("eval.png", "Evaluation before/after per domain"),
+    ("eval_heatmap.png", "Held-out pass@1 per domain over versions"),
     ("throughput.png", "Throughput and learner progress"),
     ("staleness.png", "Staleness"),
     ("tier_mix.png", "Curriculum tier mix"),
@@ -488,6 +540,20 @@ def render_markdown(run: str, figures: dict[str, Any], domains: dict[str, dict[s
                 f"| {_arrow(v['tier_first'], v['tier_last'])} | {versions} "
                 f"| {_arrow(v['eval_pass_at_1_first'], v['eval_pass_at_1_last'])} "
                 f"| {_arrow(v['eval_pass_at_k_first'], v['eval_pass_at_k_last'])}{k} |")
+        lines.append("")
+    places: dict[str, list[str]] = collections.defaultdict(list)
+    for d, v in domains.items():
+        places[v.get("frontier", "not evaluated")].append(d)
+    if any(p != "not evaluated" for p in places):
+        lines += ["### Frontier", "",
+                  f"From the held-out evaluations: mastered = last pass@1 >= {MASTERED_AT}, "
+                  "out of reach = pass@1 0 in every evaluation, learning = the rest.", "",
+                  "| place | domains | which |", "|---|---|---|"]
+        for place in ("learning", "mastered", "out of reach", "not evaluated"):
+            names = sorted(places.get(place, []))
+            shown = ", ".join(names[:12]) + (f", ... ({len(names) - 12} more)"
+                                             if len(names) > 12 else "")
+            lines.append(f"| {place} | {len(names)} | {shown or '–'} |")
         lines.append("")
     if processes:
         lines += ["### Per process type", "",
@@ -531,6 +597,7 @@ def build_report(metrics_path: Path, out_dir: Path, *, run: str = "") -> Report:
     drawers = {
         "reward_pass_rate.png": lambda p: plot_reward_pass_rate(scored, t0, width, p),
         "eval.png": lambda p: plot_eval(domains, p),
+        "eval_heatmap.png": lambda p: plot_eval_heatmap(kinds.get("eval", []), p),
         "throughput.png": lambda p: plot_throughput(scored, kinds, t0, duration, width, p),
         "staleness.png": lambda p: plot_staleness(scored, kinds.get("train", []), t0, width, p),
         "tier_mix.png": lambda p: plot_tier_mix(scored, t0, duration, width, p),

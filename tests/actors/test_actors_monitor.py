@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import io
 import json
+import re
 from pathlib import Path
 
 import httpx
@@ -21,6 +22,7 @@ from reinforge.actors.monitor import (
     read_snapshot,
     render_line,
     render_rich,
+    tensorboard_scalars,
 )
 from reinforge.core import messages as m
 from reinforge.core import subjects
@@ -396,3 +398,25 @@ async def feed_run(bus, run: str) -> None:
     await bus.publish(subjects.heartbeat(run, "sampler-x"),
                       heartbeat("sampler-x", "sampler", cpu=120.0, rss=256 << 20,
                                 figures={"samples_per_s": 1.5, "generations_held": 2.0}))
+
+
+def test_a_hundred_domains_keep_series_for_the_busiest_and_one_other_for_the_rest():
+    st = MonitorState("many", window_s=60.0, started_at=0.0)
+    for d in range(100):  # domain dNN gets NN + 1 samples, half of them passing
+        for i in range(d + 1):
+            st.on_scored(scored(f"d{d:02d}", i, reward=float(i % 2),
+                                outcome=m.Outcome.PASS if i % 2 else m.Outcome.FAIL,
+                                task=f"d{d}-"), now=1.0)
+    snap = st.snapshot(now=2.0)
+    text = mx.prometheus_text(prometheus_samples(st, snap, max_domains=5))
+    check_exposition(text)
+    labels = set(re.findall(r'domain="([^"]+)"', text))
+    assert labels == {"d95", "d96", "d97", "d98", "d99", "_other"}
+    other = sum(d + 1 for d in range(95))  # every sample of the 95 others, once
+    scored_other = re.findall(r'reinforge_scored_total\{domain="_other",outcome="(\w+)"[^}]*\} '
+                              r'(\d+)', text)
+    assert sum(int(n) for _, n in scored_other) == other
+    tags = tensorboard_scalars(snap, max_domains=5)
+    assert {t.split("/", 1)[1] for t in tags if t.startswith("reward/")} == labels
+    assert tags["reward/_other"] == pytest.approx(
+        sum((d + 1) // 2 for d in range(95)) / other)  # weighted by samples, not by domain

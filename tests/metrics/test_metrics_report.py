@@ -18,12 +18,13 @@ from reinforge.metrics.report import (
     build_report,
     counts_per_bin,
     early_late,
+    frontier,
 )
 from reinforge.core import messages as m
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-ALL_PLOTS = ["reward_pass_rate.png", "eval.png", "throughput.png", "staleness.png",
-             "tier_mix.png", "processes.png"]
+ALL_PLOTS = ["reward_pass_rate.png", "eval.png", "eval_heatmap.png", "throughput.png",
+             "staleness.png", "tier_mix.png", "processes.png"]
 
 
 def record_run(path: Path, *, minutes: float = 10.0, evals: bool = True, learner: bool = True,
@@ -215,3 +216,30 @@ def test_the_report_command_writes_into_the_run_dir_and_refuses_a_run_without_me
                          timeout=60)
     assert bad.returncode == 2
     assert "no metrics file at" in bad.stderr and "nothere" in bad.stderr
+
+
+def test_the_frontier_sorts_domains_into_learning_mastered_and_out_of_reach():
+    def ev(domain, version, p):
+        return {"kind": "eval", "t": float(version), "domain": domain, "version": version,
+                "pass_at_1": p}
+
+    evals = [ev("a", 1, 0.2), ev("a", 2, 0.95), ev("b", 1, 0.0), ev("b", 2, 0.0),
+             ev("c", 1, 0.5), ev("c", 2, 0.4), ev("d", 2, 0.0), ev("d", 1, 0.3)]
+    assert frontier(evals) == {"a": "mastered", "b": "out of reach", "c": "learning",
+                               "d": "learning"}  # d reached 0.3 once: not out of reach
+
+
+def test_a_run_of_forty_domains_gets_a_heatmap_and_a_frontier_table(tmp_path):
+    records = [{"kind": "eval", "t": float(v * 100 + d), "domain": f"gym-{d:02d}", "version": v,
+                "pass_at_1": 0.0 if d < 3 else min(1.0, d / 40 + v / 10), "pass_at_k": 1.0,
+                "k": 2, "n_tasks": 4}
+               for v in range(1, 6) for d in range(40) if (v + d) % 2 == 0]  # a rotation
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    report = build_report(path, tmp_path / "report", run="many")
+    assert "eval_heatmap.png" in report.plots
+    assert (tmp_path / "report" / "eval_heatmap.png").read_bytes().startswith(PNG_MAGIC)
+    page = (tmp_path / "report" / "report.md").read_text()
+    assert "### Frontier" in page and "| mastered |" in page and "| learning |" in page
+    places = [v["frontier"] for v in report.domains.values()]
+    assert places.count("out of reach") == 3 and len(places) == 40  # gym-00 .. gym-02
