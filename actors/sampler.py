@@ -218,25 +218,24 @@ class SamplerActor(Actor):
 
     def inputs(self) -> list[Input]:
         cfg: SamplerConfig = self.config
-        names = cfg.domains or ["*"]
-        tasks = [
-            Input(
-                subject=subjects.task(self.ctx.run, d),
-                handler=self.on_task,
-                accepts=(Task,),
-                concurrency=cfg.concurrency,
-                batch=cfg.concurrency,
-                ack_wait_s=cfg.ack_wait_s,
-            )
-            for d in names
-        ]
+        one = cfg.domains[0] if len(cfg.domains) == 1 else "*"
+        tasks = Input(  # one intake for every domain: `concurrency` is the sampler's, not each's
+            subject=subjects.task(self.ctx.run, one),
+            filters=tuple(subjects.task(self.ctx.run, d) for d in cfg.domains
+                          ) if len(cfg.domains) > 1 else (),
+            handler=self.on_task,
+            accepts=(Task,),
+            concurrency=cfg.concurrency,
+            batch=cfg.concurrency,
+            ack_wait_s=cfg.ack_wait_s,
+        )
         weights = Input(
             subject=subjects.weights(self.ctx.run),
             handler=self.on_weights,
             accepts=(WeightsPublished, Rollback),
             durable=False,
         )
-        return [*tasks, weights]
+        return [tasks, weights]
 
     def capabilities(self) -> list[str]:
         cfg: SamplerConfig = self.config

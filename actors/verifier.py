@@ -118,23 +118,19 @@ class VerifierActor(Actor):
 
     def inputs(self) -> list[Input]:
         cfg: VerifierConfig = self.config
-        if cfg.domains:
-            filters = [subjects.rollout(self.ctx.run, d) for d in self.domain_names]
-        else:
-            filters = [subjects.rollout(self.ctx.run, "*")]
-        return [
-            Input(
-                subject=f,
-                handler=self.on_rollout,
-                accepts=(Rollout,),
-                concurrency=cfg.concurrency,
-                batch=cfg.concurrency,
-                ack_wait_s=cfg.ack_wait_s,
-                max_deliver=cfg.max_deliver,
-                manual_ack=True,
-            )
-            for f in filters
-        ]
+        named = list(cfg.domains)
+        return [Input(  # one intake for every domain: `concurrency` is the verifier's
+            subject=subjects.rollout(self.ctx.run, named[0] if len(named) == 1 else "*"),
+            filters=tuple(subjects.rollout(self.ctx.run, d) for d in self.domain_names
+                          ) if len(named) > 1 else (),
+            handler=self.on_rollout,
+            accepts=(Rollout,),
+            concurrency=cfg.concurrency,
+            batch=cfg.concurrency,
+            ack_wait_s=cfg.ack_wait_s,
+            max_deliver=cfg.max_deliver,
+            manual_ack=True,
+        )]
 
     def capabilities(self) -> list[str]:
         return [f"verifier for domain {d}" for d in self.domain_names]

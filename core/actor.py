@@ -92,6 +92,9 @@ class Input:
     retry_delay_s: float = 1.0
     manual_ack: bool = False
     deliver_new: bool = False
+    filters: tuple[str, ...] = ()
+    """Several subjects through one consumer (one intake, one `concurrency` budget), e.g.
+    the tasks of a hundred domains; `subject` then only names the input."""
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -100,6 +103,8 @@ class Input:
             raise ValueError(f"Input({self.subject}): batch must be >= 1")
         if self.manual_ack and not self.durable:
             raise ValueError(f"Input({self.subject}): manual_ack needs a durable input")
+        if self.filters and not self.durable:
+            raise ValueError(f"Input({self.subject}): filters need a durable input")
 
 
 class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -474,11 +479,13 @@ class _Runner:
         self, inp: Input, intake: _Intake, task_status: trio.TaskStatus[None]
     ) -> None:
         ctx = self.ctx
-        durable = subjects.durable_name(ctx.run, inp.group or ctx.actor_type, inp.subject)
+        durable = subjects.durable_name(ctx.run, inp.group or ctx.actor_type, inp.subject,
+                                        inp.filters)
         async with ctx.bus.pull_consumer(
             stream=ctx.stream,
             durable=durable,
             filter_subject=inp.subject,
+            filter_subjects=inp.filters,
             ack_wait_s=inp.ack_wait_s,
             max_deliver=inp.max_deliver,
             max_ack_pending=max(inp.concurrency * 4, inp.batch * 2),

@@ -21,7 +21,7 @@ import collections
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -445,15 +445,18 @@ class Bus:
         max_deliver: int = 5,
         max_ack_pending: int = 1024,
         deliver_new: bool = False,
+        filter_subjects: Sequence[str] = (),
     ) -> AsyncIterator[PullConsumer]:
-        """A durable pull consumer: replicas using the same `durable` share the work."""
+        """A durable pull consumer: replicas using the same `durable` share the work. With
+        `filter_subjects`, it takes those subjects (NATS 2.10+) instead of `filter_subject`."""
         config = js_api.ConsumerConfig(
             durable_name=durable,
             ack_policy=js_api.AckPolicy.EXPLICIT,
             ack_wait=ack_wait_s,
             max_deliver=max_deliver,
             max_ack_pending=max_ack_pending,
-            filter_subject=filter_subject,
+            filter_subject=None if filter_subjects else filter_subject,
+            filter_subjects=list(filter_subjects) or None,
             deliver_policy=js_api.DeliverPolicy.NEW if deliver_new else js_api.DeliverPolicy.ALL,
         )
         psub = await self.js_call(

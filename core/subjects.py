@@ -9,6 +9,7 @@ Control plane (core NATS, not stored): ctl.<run>.>  (announce, heartbeat, attach
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -83,7 +84,12 @@ def stop(run: str, actor_id: str = "") -> str:
     return f"ctl.{run}.stop" + (f".{actor_id}" if actor_id else "")
 
 
-def durable_name(run: str, group: str, subject: str) -> str:
-    """A durable consumer name for an actor group on a subject filter (stable across restarts)."""
+def durable_name(run: str, group: str, subject: str, filters: tuple[str, ...] = ()) -> str:
+    """A durable consumer name for an actor group on a subject filter (stable across restarts).
+    A consumer of several `filters` gets a digest of them in its name: a server keeps the
+    filters a durable was made with, so another set must be another consumer."""
     filt = subject.removeprefix(f"rl.{run}.").replace("*", "any").replace(">", "all")
-    return check_token(f"{group}-{filt.replace('.', '_')}", "durable name")
+    name = f"{group}-{filt.replace('.', '_')}"
+    if filters:
+        name += "-" + hashlib.sha1("\n".join(sorted(filters)).encode()).hexdigest()[:10]
+    return check_token(name, "durable name")

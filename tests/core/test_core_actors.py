@@ -1,5 +1,6 @@
 """Actors as separate processes (`reinforge actor run`) against a real nats-server."""
 
+import functools
 import os
 import signal
 
@@ -8,6 +9,7 @@ import trio
 
 from reinforge.core import messages as m
 from reinforge.core import subjects
+from reinforge.core.actor import Actor, Input, run_actor
 from reinforge.core.bus import open_bus
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow]
@@ -125,3 +127,50 @@ def test_sigterm_lets_in_flight_work_finish_and_exits_zero(creds, creds_file, ru
             assert unique_seqs(out) == {0, 1, 2, 3}  # finished, not abandoned
 
     trio.run(main)
+
+
+class TwoSubjectEcho(Actor):
+    """One input over echo.a and echo.b (not echo.c), through one consumer, at most 2 at a
+    time; it records what it handled and the most it held at once (class-wide)."""
+
+    actor_type = "two-subject-echo"
+    handled: list[tuple[str, int]] = []
+    busy = peak = 0
+
+    def inputs(self):
+        run = self.ctx.run
+        return [Input(subject=subjects.echo(run, "*"), handler=self.on_echo, accepts=(m.Echo,),
+                      concurrency=2, batch=2,
+                      filters=(subjects.echo(run, "a"), subjects.echo(run, "b")))]
+
+    async def on_echo(self, msg):
+        cls = type(self)
+        cls.busy += 1
+        cls.peak = max(cls.peak, cls.busy)
+        await trio.sleep(0.01)
+        cls.handled.append((msg.body, msg.seq))
+        cls.busy -= 1
+
+
+def test_one_input_over_several_subjects_takes_only_those_within_one_concurrency(creds,
+                                                                                 run_name):
+    async def main():
+        async with open_bus(creds) as bus:
+            await bus.ensure_run_stream(run_name)
+            for i in range(30):
+                for name in "abc":
+                    await bus.publish_durable(subjects.echo(run_name, name),
+                                              m.Echo(seq=i, body=name), f"{name}{i}")
+            async with trio.open_nursery() as nursery:
+                ctx = await nursery.start(functools.partial(
+                    run_actor, TwoSubjectEcho, creds=creds, run=run_name))
+                # echo.c was published between each a and b: taken at all, some would be
+                # handled before the 60th of a and b
+                with trio.fail_after(30):
+                    while len(TwoSubjectEcho.handled) < 60:
+                        await trio.sleep(0.05)
+                ctx.stop_requested.set()
+
+    trio.run(main)
+    assert sorted(TwoSubjectEcho.handled) == sorted((n, i) for n in "ab" for i in range(30))
+    assert TwoSubjectEcho.peak <= 2
