@@ -75,6 +75,12 @@ class ServerState:
         self.thread.join(timeout=10)
 
 
+SERVER_KEEP_ALIVE_S = 75.0
+"""How long an idle client connection stays open: longer than any client keeps one idle
+(`rollout.client.CLIENT_KEEP_ALIVE_S`), so a client never sends on a connection the server
+is closing (which reads as "Server disconnected without sending a response")."""
+
+
 def _error(message: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
 
@@ -570,6 +576,7 @@ def serve(
         config.accesslog = None
         config.errorlog = "-"
         config.graceful_timeout = 1.0
+        config.keep_alive_timeout = SERVER_KEEP_ALIVE_S
         print(
             f"reinforge serve: listening on http://{host}:{bound} "
             f"(kv {engine.pool.kind} via {engine.pool.ops.name})",

@@ -24,8 +24,10 @@ Importing reasoning-gym takes seconds, so the registry lists these names only wh
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import io
 import random
 from collections.abc import Mapping
 from pathlib import Path
@@ -43,9 +45,14 @@ LEFT_OUT = {
     "composite": "it mixes the other datasets: each is a domain of its own here",
     "game_of_life_halting": "its scorer passes any non-empty answer (it compares "
                             "bool(answer) with bool('True'/'False'), both True)",
+    **dict.fromkeys(
+        ("isomorphic_strings", "polynomial_multiplication", "ransom_note", "word_ladder"),
+        "its item depends on the process's string-hash seed (set order): the verifier, "
+        "another process, would score a different item than the policy saw"),
 }
 """Datasets that are not domains, and why. A scorer that a wrong answer passes would teach
-the policy to game it (tests/envs/test_envs_gym.py tries a wrong answer on every domain)."""
+the policy to game it, and an item not reproducible from its seed in another process would
+be scored against the wrong answer (tests/envs/test_envs_gym.py checks both on every one)."""
 
 
 class GymSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -62,6 +69,12 @@ class GymRow(msgspec.Struct, kw_only=True):
     seed: int
     tier: int = 0
     task_id: str | None = None
+
+
+def quiet() -> contextlib.AbstractContextManager:
+    """Some generators print (bf's compiler prints a dot per pass): their chatter must not
+    reach our stdout, where `reinforge eval --json` writes its one JSON line."""
+    return contextlib.redirect_stdout(io.StringIO())
 
 
 @functools.cache
@@ -101,7 +114,8 @@ def tier_configs(dataset: str) -> list[dict[str, Any]]:
         fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
                   if f.name not in ("seed", "size")}
         try:  # validates the configuration; items are made on demand, not here
-            _gym().create_dataset(dataset, seed=0, size=1, **fields)
+            with quiet():
+                _gym().create_dataset(dataset, seed=0, size=1, **fields)
         except Exception:  # noqa: BLE001 - the dataset refuses its own curriculum's level
             continue
         out.append(fields)
@@ -132,9 +146,10 @@ class GymDomain:
     def item(self, spec: GymSpec) -> tuple[Any, dict[str, Any]]:
         """(the dataset, the item) a spec names; the same item every time."""
         check_tier(self, spec.tier)
-        ds = _gym().create_dataset(spec.dataset, seed=spec.seed, size=1,
-                                   **self._configs[spec.tier])
-        return ds, ds[0]
+        with quiet():
+            ds = _gym().create_dataset(spec.dataset, seed=spec.seed, size=1,
+                                       **self._configs[spec.tier])
+            return ds, ds[0]
 
     def _task(self, tier: int, seed: int, task_id: str,
               source: str = "generated") -> TaskSpec:
@@ -194,7 +209,8 @@ class GymDomain:
 
 
 def _score(ds: Any, answer: str, entry: dict[str, Any]) -> float:
-    score = float(ds.score_answer(answer, entry))
+    with quiet():
+        score = float(ds.score_answer(answer, entry))
     if not 0.0 <= score <= 1.0:
         raise ValueError(f"a score outside [0, 1]: {score}")
     return score

@@ -13,6 +13,7 @@ directory (`demo.toml`), so the same run can be started by hand.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import subprocess
 import sys
@@ -35,6 +36,11 @@ SANDBOX_POOL_SIZE = 2
 # SFT start's is rolled back. The margin is wide because so small a set is noisy.
 GUARD_TASKS_PER_TIER = 4
 GUARD_MARGIN = 0.25
+# `--suite gym`: every reasoning-gym family whose tier-0 prompt fits this many tokens (long
+# prompts cost a CPU much prefill), evaluated on tier 0, the guard rotating over 10 a version.
+SUITE_MAX_PROMPT_TOKENS = 768
+SUITE_EVAL_TASKS_PER_TIER = 4
+SUITE_GUARD_DOMAINS_PER_VERSION = 10
 
 
 def register(subparsers: Any) -> None:
@@ -44,12 +50,18 @@ def register(subparsers: Any) -> None:
     p.add_argument("--run", default="demo", help="run name (default: demo)")
     p.add_argument("--domains", default=DEFAULT_DOMAINS,
                    help=f"comma-separated domains (default: {DEFAULT_DOMAINS})")
+    p.add_argument("--suite", choices=["gym"], default="",
+                   help="instead of --domains: every reasoning-gym family (gym-*) whose tier-0 "
+                        f"prompts fit {SUITE_MAX_PROMPT_TOKENS} tokens, evaluated on tier 0")
     p.add_argument("--group-size", type=int, default=4, help="samples per task (GRPO group)")
     p.add_argument("--learning-rate", type=float, default=1e-4)
     p.add_argument("--groups-per-version", type=int, default=2,
                    help="groups with signal per learner step (one step = one version)")
-    p.add_argument("--eval-k", type=int, default=4)
-    p.add_argument("--eval-tasks-per-tier", type=int, default=20)
+    p.add_argument("--eval-k", type=int, default=None, help="pass@k's k (default 4; 2 with "
+                   "--suite)")
+    p.add_argument("--eval-tasks-per-tier", type=int, default=None,
+                   help=f"held-out tasks per tier (default 20; {SUITE_EVAL_TASKS_PER_TIER} "
+                        "with --suite)")
     p.add_argument("--sft-steps", type=int, default=150)
     p.add_argument("--guard-every", type=int, default=25,
                    help="the forgetting guard evaluates every N-th version (default 25)")
@@ -88,6 +100,8 @@ def policy_spec(policy: str) -> Any:
 
 def ensure_models(home: Path, domains: list[str], sft_steps: int,
                   policy: str = "tiny") -> tuple[Path, Path]:
+    """The base policy and its SFT warm start on `domains`' reference answers (cached by
+    name: the domains, or a digest of a long list of them, and the steps)."""
     from reinforge.rl.sft import SFTConfig, run_sft
     from reinforge.engine.tiny import init_tiny_model
 
@@ -97,7 +111,10 @@ def ensure_models(home: Path, domains: list[str], sft_steps: int,
         say(f"creating the {policy} policy in {base}")
         init_tiny_model(base, spec)
     prefix = "sft" if policy == "tiny" else f"sft-{policy}"
-    sft = home / "models" / f"{prefix}-{'-'.join(domains)}-{sft_steps}"
+    joined = "-".join(domains)
+    if len(joined) > 80:  # a hundred domains do not fit a file name
+        joined = f"{len(domains)}domains-" + hashlib.sha1(joined.encode()).hexdigest()[:10]
+    sft = home / "models" / f"{prefix}-{joined}-{sft_steps}"
     say("SFT warm start (cached after the first time)")
     result = run_sft(
         SFTConfig(model=str(base), out=str(sft), domains=tuple(domains), tiers=(0,),
@@ -108,11 +125,13 @@ def ensure_models(home: Path, domains: list[str], sft_steps: int,
     return base, sft
 
 
-def evaluate(model: Path, domains: list[str], k: int, tasks_per_tier: int) -> dict[str, Any]:
+def evaluate(model: Path, domains: list[str], k: int, tasks_per_tier: int,
+             tiers: list[int] | None = None) -> dict[str, Any]:
     """pass@1 and pass@k on the held-out sets, every tier of each domain (the curriculum
-    may train any of them), each task's pass@1 kept for the paired comparison."""
+    may train any of them) or `tiers`, each task's pass@1 kept for the paired comparison."""
     out = reinforge("eval", "--model", str(model), "--domains", ",".join(domains),
                     "--k", str(k), "--tasks-per-tier", str(tasks_per_tier),
+                    *(("--tiers", ",".join(map(str, tiers))) if tiers else ()),
                     "--max-new-tokens", str(MAX_NEW_TOKENS), "--json", capture=True, timeout_s=1800)
     if out.returncode != 0:
         raise RuntimeError(f"reinforge eval failed ({out.returncode}):\n{out.stderr[-3000:]}")
@@ -121,7 +140,8 @@ def evaluate(model: Path, domains: list[str], k: int, tasks_per_tier: int) -> di
 
 def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
                    args: argparse.Namespace, *, max_staleness: int = 2,
-                   heldout_per_tier: int = 4, guard: dict[str, float] | None = None) -> str:
+                   heldout_per_tier: int = 4, guard: dict[str, float] | None = None,
+                   heldout_tiers: list[int] | None = None, guard_rotation: int = 0) -> str:
     """The TOML `reinforge up` runs. Sized for 2 CPU cores. `max_staleness=0` makes the
     actors take turns (generate, verify, train, each waiting for the last): the synchronous
     baseline of `bench/rl_throughput.py`.
@@ -131,14 +151,16 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
     exactly those). `guard` (domain -> minimum pass@1) adds the evaluator: every
     `args.guard_every` versions it scores the policy on the first GUARD_TASKS_PER_TIER of
     those held-out tasks and rolls back a version that falls below its floor."""
-    mix = ", ".join(f"{d} = 1.0" for d in domains)
+    mix = ", ".join(f"{json.dumps(d)} = 1.0" for d in domains)
     dlist = ", ".join(json.dumps(d) for d in domains)
     ckpt = run_dir / "checkpoints"
     evaluator = "" if guard is None else f"""
 [[actors]]
 spec = "reinforge.actors.evaluator:Evaluator"
-config = {{ domains = [{dlist}], k = 2, every_versions = {args.guard_every}, score_per_tier = {GUARD_TASKS_PER_TIER}, thresholds = {{ {", ".join(f"{d} = {v:.4f}" for d, v in guard.items())} }}, max_new_tokens = {MAX_NEW_TOKENS}, concurrency = 2, sandbox_pool_size = 1 }}
+config = {{ domains = [{dlist}], k = 2, every_versions = {args.guard_every}, score_per_tier = {GUARD_TASKS_PER_TIER}, thresholds = {{ {", ".join(f"{json.dumps(d)} = {v:.4f}" for d, v in guard.items())} }}, max_new_tokens = {MAX_NEW_TOKENS}, concurrency = 2, sandbox_pool_size = 1, domains_per_version = {guard_rotation} }}
 """
+    held = f"tasks_per_tier = {heldout_per_tier}" + (
+        f", tiers = {json.dumps(heldout_tiers)}" if heldout_tiers else "")
     return f"""# Written by `reinforge demo`; `reinforge up {run_dir / 'demo.toml'}` runs it again.
 [run]
 name = "{run}"
@@ -146,7 +168,7 @@ group_size = {args.group_size}
 groups_per_version = {args.groups_per_version}
 max_staleness = {max_staleness}
 temperature = 1.0
-heldout = {{ tasks_per_tier = {heldout_per_tier} }}
+heldout = {{ {held} }}
 
 [supervisor]
 healthy_timeout_s = 300
@@ -214,7 +236,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     t0 = time.time()
     budget_s = args.minutes * 60
-    domains = [d.strip() for d in args.domains.split(",") if d.strip()]
+    tiers: list[int] | None = None
+    left_out: dict[str, str] = {}
+    if args.suite:
+        domains, sft_domains, left_out = suite_domains()
+        tiers = [0]
+        say(f"suite {args.suite}: {len(domains)} domains, {len(sft_domains)} with reference "
+            f"answers for the warm start; {len(left_out)} left out")
+    else:
+        domains = [d.strip() for d in args.domains.split(",") if d.strip()]
+        sft_domains = domains
+    per_tier = args.eval_tasks_per_tier or (SUITE_EVAL_TASKS_PER_TIER if args.suite else 20)
+    eval_k = args.eval_k or (2 if args.suite else 4)
     home = paths.home()
     run = args.run
     run_dir = paths.run_dir(run)
@@ -225,14 +258,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
 
-    _, sft = ensure_models(home, domains, args.sft_steps)
+    _, sft = ensure_models(home, sft_domains, args.sft_steps)
     say("evaluating the SFT checkpoint on the held-out sets")
-    before = evaluate(sft, domains, args.eval_k, args.eval_tasks_per_tier)
+    before = evaluate(sft, domains, eval_k, per_tier, tiers)
     eval_s = before.get("eval_s", 60.0) + 30.0
     config_path = run_dir / "demo.toml"
     floors = {d: max(0.0, sc["pass_at_1"] - GUARD_MARGIN) for d, sc in before["domains"].items()}
-    config_path.write_text(cluster_config(run, run_dir, sft, domains, args,
-                                          heldout_per_tier=args.eval_tasks_per_tier, guard=floors))
+    config_path.write_text(cluster_config(
+        run, run_dir, sft, domains, args, heldout_per_tier=per_tier, guard=floors,
+        heldout_tiers=tiers, guard_rotation=SUITE_GUARD_DOMAINS_PER_VERSION if args.suite else 0))
 
     say(f"starting the cluster: reinforge up {config_path} --detach")
     up = reinforge("up", str(config_path), "--run", run, "--detach", capture=True)
@@ -250,7 +284,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     final, version = latest_checkpoint(run_dir)
     after_model = final or sft
     say(f"evaluating the final checkpoint (version {version}) on the held-out sets")
-    after = evaluate(after_model, domains, args.eval_k, args.eval_tasks_per_tier)
+    after = evaluate(after_model, domains, eval_k, per_tier, tiers)
 
     from reinforge.rl.scoring import mean_change, paired_change
     from reinforge.metrics.report import build_report
@@ -275,7 +309,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     p1_after = {d: s["pass_at_1"] for d, s in after["domains"].items()}
     # The headline compares the tiers the run trained (the curriculum reaches few of them in
     # ten minutes); every tier's change is there too.
-    tier_of = heldout_tiers(domains, args.eval_tasks_per_tier)
+    tier_of = heldout_tiers(domains, per_tier, tiers)
     trained = trained_tiers(metrics)
     changes, all_tiers = {}, {}
     for d in (d for d in p1_before if d in p1_after):
@@ -309,6 +343,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "final_checkpoint": str(after_model),
         "run_dir": str(run_dir),
     }
+    if args.suite:
+        result["suite"] = suite_summary(all_tiers, left_out)
     (run_dir / "demo_result.json").write_text(json.dumps(result, indent=2))
     lo, hi = overall.ci95
     say(f"eval pass@1 before {p1_before} after {p1_after}; improvement {improvement:+.3f} "
@@ -366,13 +402,14 @@ def change_json(change: Any) -> dict[str, Any]:
             "n_tasks": change.n_tasks}
 
 
-def heldout_tiers(domains: list[str], tasks_per_tier: int) -> dict[str, dict[str, int]]:
+def heldout_tiers(domains: list[str], tasks_per_tier: int,
+                  tiers: list[int] | None = None) -> dict[str, dict[str, int]]:
     """The tier of each held-out task `reinforge eval --tasks-per-tier N` scores, by id."""
     from reinforge.rl.evalsets import HeldOutConfig, build_heldout
     from reinforge.envs.domain import DomainRegistry
 
     sets = build_heldout(DomainRegistry.default(), domains,
-                         HeldOutConfig(tasks_per_tier=tasks_per_tier))
+                         HeldOutConfig(tasks_per_tier=tasks_per_tier, tiers=tiers or []))
     return {d: {t.task_id: t.tier for t in tasks} for d, tasks in sets.items()}
 
 
@@ -434,3 +471,55 @@ def infra_only_domains(outcomes: dict[str, dict[str, int]]) -> dict[str, int]:
     return {domain: sum(by_outcome.values()) for domain, by_outcome in outcomes.items()
             if set(by_outcome) == {"infra_error"}}
 
+
+
+def suite_domains(max_prompt_tokens: int = SUITE_MAX_PROMPT_TOKENS
+                  ) -> tuple[list[str], list[str], dict[str, str]]:
+    """(the gym families the suite trains, those of them with reference answers for the
+    warm start, the families left out and why), judged on a seeded tier-0 task each."""
+    import random
+
+    from reinforge.engine.tokenizer import load_tokenizer
+    from reinforge.engine.tiny import init_tiny_model
+    from reinforge.envs.domain import DomainRegistry
+    from reinforge.envs.domains.gym import PREFIX
+    from reinforge.core import paths
+
+    base = paths.home() / "models" / "tiny"
+    if not (base / "config.json").exists():
+        init_tiny_model(base, policy_spec("tiny"))
+    tokenizer = load_tokenizer(base)
+    registry = DomainRegistry.default()
+    domains, with_reference, left_out = [], [], {}
+    for name in registry.names(families=True):
+        if not name.startswith(PREFIX):
+            continue
+        task = registry.get(name).sample_task(random.Random(f"suite:{name}"), 0)
+        length = len(tokenizer(task.prompt)["input_ids"])
+        if length > max_prompt_tokens:
+            left_out[name] = f"a tier-0 prompt of {length} tokens (over {max_prompt_tokens})"
+            continue
+        domains.append(name)
+        if task.reference:
+            with_reference.append(name)
+    return domains, with_reference, left_out
+
+
+def suite_summary(changes: dict[str, Any], left_out: dict[str, str]) -> dict[str, Any]:
+    """What the suite must show: per-domain changes of held-out pass@1 (tier 0), how many
+    improved by 0.10 or more, the mean over all domains, the worst drop."""
+    from reinforge.rl.scoring import mean_change
+
+    if not changes:
+        return {"domains": 0, "left_out": left_out}
+    overall = mean_change(list(changes.values()))
+    worst = min(changes, key=lambda d: changes[d].delta)
+    return {
+        "domains": len(changes),
+        "improved_by_0_10": sum(c.delta >= 0.10 for c in changes.values()),
+        "worse_by_0_05": sum(c.delta <= -0.05 for c in changes.values()),
+        "mean_change": round(overall.delta, 4),
+        "mean_change_ci95": [round(x, 4) for x in overall.ci95],
+        "worst_drop": {"domain": worst, "delta": round(changes[worst].delta, 4)},
+        "left_out": left_out,
+    }

@@ -24,6 +24,13 @@ import httpx
 import msgspec
 
 
+CLIENT_KEEP_ALIVE_S = 2.0
+"""An idle pooled connection is dropped after this: well inside servers' keep-alive (5 s for
+uvicorn, SGLang's, and hypercorn's default; `reinforge serve` keeps 75 s). At httpx's own 5 s
+the two timers raced, and a request sent just as the server closed the connection failed with
+"Server disconnected without sending a response" (seen in `reinforge eval` over 92 domains)."""
+
+
 class RolloutServerUnavailable(RuntimeError):
     """The rollout server could not be reached, timed out, or failed (5xx)."""
 
@@ -105,7 +112,8 @@ class RolloutClient:
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-            limits=httpx.Limits(max_connections=64, max_keepalive_connections=16),
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=16,
+                                keepalive_expiry=CLIENT_KEEP_ALIVE_S),
             transport=transport,
         )
 

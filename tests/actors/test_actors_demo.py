@@ -136,3 +136,30 @@ def test_the_demo_reports_the_training_reward_at_the_start_and_the_end(tmp_path)
                  "outcome": "infra_error", "reward": 0.0})
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert train_reward_start_end(metrics, n=4) == {"math": [0.25, 0.75]}
+
+
+def test_the_suite_summary_counts_improved_domains_the_mean_and_the_worst_drop():
+    from reinforge.cli.demo import suite_summary
+    from reinforge.rl.scoring import Change
+
+    def change(delta):
+        return Change(delta=delta, ci95=(delta - 0.1, delta + 0.1), n_tasks=4)
+
+    changes = {"gym-a": change(0.25), "gym-b": change(0.10), "gym-c": change(-0.05),
+               "gym-d": change(0.0)}
+    s = suite_summary(changes, {"gym-e": "a tier-0 prompt of 900 tokens (over 768)"})
+    assert (s["domains"], s["improved_by_0_10"], s["worse_by_0_05"]) == (4, 2, 1)
+    assert s["mean_change"] == pytest.approx(0.075)
+    assert s["worst_drop"] == {"domain": "gym-c", "delta": -0.05}
+    assert s["left_out"] == {"gym-e": "a tier-0 prompt of 900 tokens (over 768)"}
+
+
+def test_the_suite_takes_the_gym_families_whose_prompts_fit_and_says_why_others_do_not(
+        tmp_path, monkeypatch):
+    from reinforge.cli.demo import suite_domains
+
+    monkeypatch.setenv("REINFORGE_HOME", str(tmp_path))
+    domains, with_reference, left_out = suite_domains(max_prompt_tokens=768)
+    assert len(domains) + len(left_out) >= 100 and len(domains) >= 80
+    assert set(with_reference) <= set(domains) and "gym-boxnet" not in with_reference
+    assert all(why.startswith("a tier-0 prompt of ") for why in left_out.values())

@@ -60,3 +60,13 @@ def test_keys_outside_sampling_params_are_ignored_and_empty_bodies_are_defaults(
     assert weights == UpdateWeightsRequest(model_path="/m")
     assert decode(b"", AbortRequest) == AbortRequest(rid="", abort_all=False)
     assert decode(b"{}", PauseRequest).mode == "abort"
+
+
+def test_the_client_drops_an_idle_connection_before_any_server_would_close_it():
+    # At httpx's default 5 s the client kept idle connections exactly as long as uvicorn and
+    # hypercorn do, and a request could go out on one the server was closing.
+    from reinforge.engine.server import SERVER_KEEP_ALIVE_S
+    from reinforge.rollout.client import CLIENT_KEEP_ALIVE_S, RolloutClient
+
+    pool = RolloutClient("http://127.0.0.1:1")._http._transport._pool
+    assert pool._keepalive_expiry == CLIENT_KEEP_ALIVE_S < 5.0 < SERVER_KEEP_ALIVE_S
