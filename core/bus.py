@@ -409,7 +409,7 @@ class Bus:
             except nats.js.errors.NotFoundError:
                 return None
 
-        raw = await self.aio(get)()
+        raw = await self.js_call(get, what=f"reading the last message on {subject}")
         if raw is None:
             return None
         return Delivery(

@@ -39,6 +39,7 @@ GUARD_MARGIN = 0.25
 # `--suite gym`: every reasoning-gym family whose tier-0 prompt fits this many tokens (long
 # prompts cost a CPU much prefill), evaluated on tier 0, the guard rotating over 10 a version.
 SUITE_MAX_PROMPT_TOKENS = 768
+SUITE_MAX_SAMPLE_S = 0.5  # a family slower to make one task stalls the scheduler (sokoban: 9 s)
 SUITE_EVAL_TASKS_PER_TIER = 4
 SUITE_GUARD_DOMAINS_PER_VERSION = 10
 
@@ -476,7 +477,8 @@ def infra_only_domains(outcomes: dict[str, dict[str, int]]) -> dict[str, int]:
 def suite_domains(max_prompt_tokens: int = SUITE_MAX_PROMPT_TOKENS
                   ) -> tuple[list[str], list[str], dict[str, str]]:
     """(the gym families the suite trains, those of them with reference answers for the
-    warm start, the families left out and why), judged on a seeded tier-0 task each."""
+    warm start, the families left out and why: a prompt too long for a CPU, or a generator
+    too slow for the scheduler), judged on a seeded tier-0 task each."""
     import random
 
     from reinforge.engine.tokenizer import load_tokenizer
@@ -494,10 +496,17 @@ def suite_domains(max_prompt_tokens: int = SUITE_MAX_PROMPT_TOKENS
     for name in registry.names(families=True):
         if not name.startswith(PREFIX):
             continue
-        task = registry.get(name).sample_task(random.Random(f"suite:{name}"), 0)
+        domain = registry.get(name)
+        domain.sample_task(random.Random(f"suite-warm:{name}"), 0)  # first-use loading aside
+        started = time.perf_counter()
+        task = domain.sample_task(random.Random(f"suite:{name}"), 0)
+        took = time.perf_counter() - started
         length = len(tokenizer(task.prompt)["input_ids"])
         if length > max_prompt_tokens:
             left_out[name] = f"a tier-0 prompt of {length} tokens (over {max_prompt_tokens})"
+            continue
+        if took > SUITE_MAX_SAMPLE_S:
+            left_out[name] = f"{took:.1f} s to make one tier-0 task (over {SUITE_MAX_SAMPLE_S})"
             continue
         domains.append(name)
         if task.reference:
