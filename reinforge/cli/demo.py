@@ -39,6 +39,7 @@ GUARD_MARGIN = 0.25
 # `--suite gym`: every reasoning-gym family whose tier-0 prompt fits this many tokens (long
 # prompts cost a CPU much prefill), evaluated on tier 0, the guard rotating over 10 a version.
 SUITE_MAX_PROMPT_TOKENS = 768
+SUITE_CONTAMINATION_OVERLAP = 0.95
 SUITE_MAX_SAMPLE_S = 0.5  # a family slower to make one task stalls the scheduler (sokoban: 9 s)
 SUITE_EVAL_TASKS_PER_TIER = 4
 SUITE_GUARD_DOMAINS_PER_VERSION = 10
@@ -155,10 +156,14 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
     mix = ", ".join(f"{json.dumps(d)} = 1.0" for d in domains)
     dlist = ", ".join(json.dumps(d) for d in domains)
     ckpt = run_dir / "checkpoints"
+    # Procedural families share long instruction templates: two different tasks of one
+    # family overlap in most 13-grams, so only near-identical prompts count as contamination.
+    suite_overlap = f", contamination_min_overlap = {SUITE_CONTAMINATION_OVERLAP}" \
+        if guard_rotation else ""
     evaluator = "" if guard is None else f"""
 [[actors]]
 spec = "reinforge.actors.evaluator:Evaluator"
-config = {{ domains = [{dlist}], k = 2, every_versions = {args.guard_every}, score_per_tier = {GUARD_TASKS_PER_TIER}, thresholds = {{ {", ".join(f"{json.dumps(d)} = {v:.4f}" for d, v in guard.items())} }}, max_new_tokens = {MAX_NEW_TOKENS}, concurrency = 2, sandbox_pool_size = 1, domains_per_version = {guard_rotation} }}
+config = {{ domains = [{dlist}], k = 2, every_versions = {args.guard_every}, score_per_tier = {GUARD_TASKS_PER_TIER}, thresholds = {{ {", ".join(f"{json.dumps(d)} = {v:.4f}" for d, v in guard.items())} }}, max_new_tokens = {MAX_NEW_TOKENS}, concurrency = 2, sandbox_pool_size = 1, domains_per_version = {guard_rotation}{suite_overlap} }}
 """
     held = f"tasks_per_tier = {heldout_per_tier}" + (
         f", tiers = {json.dumps(heldout_tiers)}" if heldout_tiers else "")
