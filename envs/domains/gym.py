@@ -19,7 +19,8 @@ family's own scorer. Here each of its datasets is a domain:
 
 The domain name is a subject token (`core/subjects.py`): hence `gym-<dataset>`, not a path.
 Importing reasoning-gym takes seconds, so the registry lists these names only when asked
-(`DomainRegistry.names`, or a name with the `gym-` prefix).
+(`DomainRegistry.names(families=True)`, or a name with the `gym-` prefix: "every domain"
+stays the singular ones).
 """
 
 from __future__ import annotations
