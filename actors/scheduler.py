@@ -592,10 +592,13 @@ class Scheduler(Actor):
         return sum(1.0 if w.accepted else self.signal_rate(w.domain)
                    for w in self.state.awaiting.values())
 
-    def budget(self) -> int:
+    def budget(self, probs: dict[str, float] | None = None) -> int:
+        """How many new tasks to issue now. `probs`: the mix over every domain, when the
+        caller has computed it already."""
         cfg: SchedulerConfig = self.config
         st = self.state
-        probs = self.probabilities(set(self.curricula))
+        if probs is None:
+            probs = self.probabilities(set(self.curricula))
         new_task_rate = new_task_signal_rate(
             probs, {d: self._raw_signal_rate(d) for d in probs}, floor=cfg.min_signal_rate)
         return issue_budget(
@@ -618,10 +621,13 @@ class Scheduler(Actor):
         by_domain = self._in_flight_by_domain()
         eligible = {d for d in self.curricula
                     if d not in quotas or by_domain.get(d, 0) < quotas[d]}
+        everyone = self.probabilities(set(self.curricula))
         draw: DomainDraw | None = None
-        for _ in range(self.budget()):
+        for _ in range(self.budget(everyone)):
             if draw is None:
-                probs = self.probabilities(eligible)
+                # The budget's mix serves the first draw when no domain is left out.
+                probs = everyone if len(eligible) == len(self.curricula) else \
+                    self.probabilities(eligible)
                 if not probs:
                     return
                 draw = DomainDraw(probs)
