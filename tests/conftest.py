@@ -144,3 +144,34 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
                          num_kv_heads=1, vocab_size=1024)
     return init_tiny_model(tmp_path_factory.mktemp("tiny") / "model", spec)
+
+
+@pytest.fixture(scope="module")
+def server_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A real `reinforge serve` process on a free port, started by the command line the
+    sampler and the supervisor use; stopped (SIGINT) after the module."""
+    import signal
+    import time
+
+    from reinforge.rollout.server import ServerSpec, server_command
+
+    where = tmp_path_factory.mktemp("srv")
+    spec = ServerSpec(model_path=str(tiny_model_dir), initial_version=0,
+                      server_args=["--max-total-tokens", "8192"])
+    with open(where / "server.log", "wb") as log:
+        proc = subprocess.Popen(server_command(spec, str(where / "port")), stdout=log,
+                                stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while not (where / "port").exists():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"server did not start: {(where / 'server.log').read_text()}")
+                time.sleep(0.1)
+            yield f"http://127.0.0.1:{(where / 'port').read_text()}"
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

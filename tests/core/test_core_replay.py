@@ -30,15 +30,6 @@ SCHEDULER = SchedulerConfig(domains={"math": 1.0}, group_size=2, max_in_flight=2
                             persist_every_s=0.05)
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from reinforge.engine.tiny import TinyModelSpec, init_tiny_model
-
-    spec = TinyModelSpec(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
-                         num_kv_heads=1, vocab_size=1024)
-    return init_tiny_model(tmp_path_factory.mktemp("tiny") / "model", spec)
-
-
 @pytest.fixture
 def live_home(tmp_path, monkeypatch) -> Path:
     home = tmp_path / "live-home"
@@ -126,11 +117,11 @@ def snapshot(root: Path) -> dict[str, str]:
 
 
 def test_replaying_a_learner_and_a_scheduler_leaves_every_file_of_the_live_run_as_it_was(
-    creds, run_name, live_home, tiny_model, tmp_path
+    creds, run_name, live_home, tiny_model_dir, tmp_path
 ):
     live_run = live_home / run_name
     # As `reinforge demo` configures it: the checkpoint directory named inside the run's.
-    learner = LearnerConfig(model=str(tiny_model), checkpoint_dir=str(live_run / "checkpoints"),
+    learner = LearnerConfig(model=str(tiny_model_dir), checkpoint_dir=str(live_run / "checkpoints"),
                             groups_per_version=1, group_size=0, learning_rate=1e-3,
                             torch_threads=1,
                             ack_wait_s=30.0)

@@ -3,43 +3,19 @@
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from reinforge.rollout.command import serve_argv
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """A real `reinforge serve`, started by the command line every caller uses."""
-    port_file = tmp_path_factory.mktemp("srv") / "port"
-    argv = serve_argv(str(tiny_model_dir), port_file=str(port_file),
-                      extra=["--max-total-tokens", "8192"])
-    with open(port_file.with_name("server.log"), "w") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
-        try:
-            deadline = time.monotonic() + 120
-            while not port_file.exists():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail("server did not start: "
-                                + port_file.with_name("server.log").read_text())
-                time.sleep(0.1)
-            url = f"http://127.0.0.1:{port_file.read_text()}"
-            with httpx.Client(base_url=url, timeout=60) as client:
-                yield client
-        finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+def server(server_url: str):
+    """A client of a real `reinforge serve` (tests/conftest.py's `server_url`)."""
+    with httpx.Client(base_url=server_url, timeout=60) as client:
+        yield client
 
 
 def check_item(item: dict, *, logprobs: bool = False) -> None:
