@@ -100,18 +100,24 @@ def policy_spec(policy: str) -> Any:
     return sizes[policy]
 
 
+def ensure_base(home: Path, policy: str = "tiny") -> Path:
+    """The untrained policy of this size (created, seeded, the first time)."""
+    from reinforge.engine.tiny import init_tiny_model
+
+    base = home / "models" / policy
+    if not (base / "config.json").exists():
+        say(f"creating the {policy} policy in {base}")
+        init_tiny_model(base, policy_spec(policy))
+    return base
+
+
 def ensure_models(home: Path, domains: list[str], sft_steps: int,
                   policy: str = "tiny") -> tuple[Path, Path]:
     """The base policy and its SFT warm start on `domains`' reference answers (cached by
     name: the domains, or a digest of a long list of them, and the steps)."""
     from reinforge.rl.sft import SFTConfig, run_sft
-    from reinforge.engine.tiny import init_tiny_model
 
-    spec = policy_spec(policy)
-    base = home / "models" / policy
-    if not (base / "config.json").exists():
-        say(f"creating the {policy} policy in {base}")
-        init_tiny_model(base, spec)
+    base = ensure_base(home, policy)
     prefix = "sft" if policy == "tiny" else f"sft-{policy}"
     joined = "-".join(domains)
     if len(joined) > 80:  # a hundred domains do not fit a file name
@@ -292,8 +298,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     say(f"evaluating the final checkpoint (version {version}) on the held-out sets")
     after = evaluate(after_model, domains, eval_k, per_tier, tiers)
 
-    from reinforge.rl.scoring import mean_change, paired_change
     from reinforge.metrics.report import build_report
+    from reinforge.rl.scoring import mean_change, paired_change
 
     report_dir = run_dir / "report"
     metrics = run_dir / "metrics" / "metrics.jsonl"
@@ -304,12 +310,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         # metrics as eval records (version 0 = the SFT start), so the report plots them.
         with open(metrics, "a") as f:
             for version_of, res in ((0, before), (version, after)):
-                for d, sc in res["domains"].items():
-                    f.write(json.dumps({
+                f.writelines(json.dumps({
                         "t": time.time(), "kind": "eval", "version": version_of, "domain": d,
                         "pass_at_1": sc["pass_at_1"], "pass_at_k": sc["pass_at_k"],
                         "k": sc["k"], "n_tasks": sc["n_tasks"], "figures": {},
-                    }) + "\n")
+                    }) + "\n" for d, sc in res["domains"].items())
         report_path = build_report(metrics, report_dir, run=run).page
     p1_before = {d: s["pass_at_1"] for d, s in before["domains"].items()}
     p1_after = {d: s["pass_at_1"] for d, s in after["domains"].items()}
@@ -411,8 +416,8 @@ def change_json(change: Any) -> dict[str, Any]:
 def heldout_tiers(domains: list[str], tasks_per_tier: int,
                   tiers: list[int] | None = None) -> dict[str, dict[str, int]]:
     """The tier of each held-out task `reinforge eval --tasks-per-tier N` scores, by id."""
-    from reinforge.rl.evalsets import HeldOutConfig, build_heldout
     from reinforge.envs.domain import DomainRegistry
+    from reinforge.rl.evalsets import HeldOutConfig, build_heldout
 
     sets = build_heldout(DomainRegistry.default(), domains,
                          HeldOutConfig(tasks_per_tier=tasks_per_tier, tiers=tiers or []))
@@ -486,16 +491,12 @@ def suite_domains(max_prompt_tokens: int = SUITE_MAX_PROMPT_TOKENS
     too slow for the scheduler), judged on a seeded tier-0 task each."""
     import random
 
+    from reinforge.core import paths
     from reinforge.engine.tokenizer import load_tokenizer
-    from reinforge.engine.tiny import init_tiny_model
     from reinforge.envs.domain import DomainRegistry
     from reinforge.envs.domains.gym import PREFIX
-    from reinforge.core import paths
 
-    base = paths.home() / "models" / "tiny"
-    if not (base / "config.json").exists():
-        init_tiny_model(base, policy_spec("tiny"))
-    tokenizer = load_tokenizer(base)
+    tokenizer = load_tokenizer(ensure_base(paths.home()))
     registry = DomainRegistry.default()
     domains, with_reference, left_out = [], [], {}
     for name in registry.names(families=True):
