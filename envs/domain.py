@@ -46,7 +46,11 @@ from reinforge.core.messages import Check, Outcome
 
 TaskSource = Literal["generated", "jsonl"]
 
-ENTRY_POINT_GROUP = "reinforge.envs"
+ENTRY_POINT_GROUP = "reinforge.domains"
+"""Where installed plug-ins declare their domains: `NAME = "MODULE:CLASS"`."""
+LEGACY_ENTRY_POINT_GROUP = "reinforge.envs"
+"""Read too, before ENTRY_POINT_GROUP (which wins a name both declare): the group the
+registry read before, so plug-ins declared there keep working."""
 
 
 class Verdict(msgspec.Struct, frozen=True, kw_only=True):
@@ -246,7 +250,7 @@ def _build(obj: Any) -> Any:
 
 
 class DomainRegistry:
-    """Named domains: the built-ins, the `reinforge.envs` entry points, explicit specs.
+    """Named domains: the built-ins, the `reinforge.domains` entry points, explicit specs.
 
     Factories are kept until a domain is first asked for, so listing names imports nothing.
     A factory is a zero-argument callable (usually the domain class) or a ready instance.
@@ -266,8 +270,9 @@ class DomainRegistry:
         for prefix, spec in BUILTIN_FAMILIES:
             reg.add_family(prefix, spec)
         if entry_points:
-            for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-                reg.add_spec(ep.name, ep.value)
+            for group in (LEGACY_ENTRY_POINT_GROUP, ENTRY_POINT_GROUP):
+                for ep in importlib.metadata.entry_points(group=group):
+                    reg.add_spec(ep.name, ep.value)
         for item in extra_specs:
             reg.attach_spec(item)
         return reg

@@ -169,6 +169,23 @@ def test_entry_points_in_the_reinforge_envs_group_are_registered(monkeypatch):
     assert "echo" in reg.names() and reg.get("echo").description == "repeat the prompt"
 
 
+class OtherEchoDomain(EchoDomain):
+    description = "repeat the prompt, again"
+
+
+def test_the_reinforge_domains_group_wins_a_name_the_older_reinforge_envs_group_declares(
+    monkeypatch,
+):
+    import importlib.metadata
+
+    declared = {group: [importlib.metadata.EntryPoint(name="echo", value=value, group=group)]
+                for group, value in (("reinforge.domains", f"{__name__}:OtherEchoDomain"),
+                                     ("reinforge.envs", f"{__name__}:EchoDomain"))}
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda *, group: declared.get(group, []))
+    assert DomainRegistry.default().get("echo").description == "repeat the prompt, again"
+
+
 def test_a_verdict_holds_the_bus_outcome_and_check_so_a_scored_rollout_takes_them_as_they_are():
     from reinforge.core import messages as m
 
