@@ -56,7 +56,7 @@ from reinforge.envs.domain import TaskSpec
 
 class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     domains: list[str] = msgspec.field(default_factory=lambda: ["math"])
-    """Domains to evaluate."""
+    """Domains to evaluate, by name or glob (`gym-*`)."""
     k: int = 4
     """pass@k's k."""
     samples: int = 0
@@ -305,8 +305,9 @@ class Evaluator(Actor):
 
         cfg: EvaluatorConfig = self.config
         self.registry = DomainRegistry.default()
-        self.domains = {d: self.registry.get(d) for d in cfg.domains}
-        self.sets = first_per_tier(build_heldout(self.registry, cfg.domains, cfg.heldout),
+        self.domain_names = self.registry.resolve(cfg.domains, where="EvaluatorConfig.domains")
+        self.domains = {d: self.registry.get(d) for d in self.domain_names}
+        self.sets = first_per_tier(build_heldout(self.registry, self.domain_names, cfg.heldout),
                                    cfg.score_per_tier)
         checker = ContaminationChecker(
             [(t.task_id, t.prompt) for ts in self.sets.values() for t in ts],
@@ -350,7 +351,7 @@ class Evaluator(Actor):
                       max_deliver=3)]
 
     def capabilities(self) -> list[str]:
-        return [f"evaluator for domains {','.join(self.config.domains)}"]
+        return [f"evaluator for domains {','.join(self.domain_names)}"]
 
     def figures(self) -> dict[str, float]:
         out: dict[str, float] = {"evaluated_versions": float(len(self.state.evaluated)),

@@ -141,7 +141,7 @@ class SamplerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     server_start_timeout_s: float = 300.0
     """How long a started server may take to answer /health."""
     domains: list[str] = []
-    """Task domains to take; [] = all (one input on task.*)."""
+    """Task domains to take, by name or glob (`gym-*`); [] = all (one input on task.*)."""
     concurrency: int = 4
     """Tasks (groups) being sampled at once."""
     temperature: float = RUN_DEFAULTS.temperature
@@ -198,6 +198,7 @@ class SamplerActor(Actor):
         from reinforge.envs.domain import DomainRegistry
 
         self.registry = DomainRegistry.default()
+        self.domain_names = self.registry.resolve(config.domains, where="SamplerConfig.domains")
         self.gate = GenerationGate()
         self.client: RolloutClient | None = None
         self.server: ServerProcess | None = None
@@ -218,11 +219,12 @@ class SamplerActor(Actor):
 
     def inputs(self) -> list[Input]:
         cfg: SamplerConfig = self.config
-        one = cfg.domains[0] if len(cfg.domains) == 1 else "*"
+        names = self.domain_names
+        one = names[0] if len(names) == 1 else "*"
         tasks = Input(  # one intake for every domain: `concurrency` is the sampler's, not each's
             subject=subjects.task(self.ctx.run, one),
-            filters=tuple(subjects.task(self.ctx.run, d) for d in cfg.domains
-                          ) if len(cfg.domains) > 1 else (),
+            filters=tuple(subjects.task(self.ctx.run, d) for d in names
+                          ) if len(names) > 1 else (),
             handler=self.on_task,
             accepts=(Task,),
             concurrency=cfg.concurrency,
@@ -239,7 +241,7 @@ class SamplerActor(Actor):
 
     def capabilities(self) -> list[str]:
         cfg: SamplerConfig = self.config
-        return [f"sampler ({cfg.backend}) for domains {','.join(cfg.domains) or '*'}"]
+        return [f"sampler ({cfg.backend}) for domains {','.join(self.domain_names) or '*'}"]
 
     def figures(self) -> dict[str, float]:
         elapsed = max(time.monotonic() - self.started, 1e-9)
@@ -319,7 +321,7 @@ class SamplerActor(Actor):
 
     async def _hold_domains(self) -> None:
         cfg: SamplerConfig = self.config
-        names = cfg.domains or self.registry.names()
+        names = self.domain_names or self.registry.names()
         multi = [n for n in names if n in self.registry and self.registry.get(n).multi_turn]
 
         def attach(runner: Any, error: str) -> None:

@@ -38,7 +38,8 @@ GRPO signal), the reward mean/std, the learner's decisions by fate.
 
 Mixing weights change while running through `<run_dir>/scheduler_mix.json`
 (`{"weights": {...}, "replay_floors": {...}, "max_in_flight_per_domain": {...}}`),
-re-read whenever it changes.
+re-read whenever it changes; its weights, like the config's `domains`, may name globs
+(`DomainRegistry.resolve_weights`), and replace the config's weight of a domain both give.
 
 Only a user widens the mix: the config's `domains`, or a weight in the mix file (the way to
 start training on a domain whose verifier was attached at runtime). A verifier announcing a
@@ -98,8 +99,9 @@ _VERIFIES_RE = re.compile(r"\bverifier for domains? ([\w,\- ]+)$")
 
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     domains: dict[str, float] = msgspec.field(default_factory=lambda: {"math": 1.0})
-    """Starting pool: domain -> mixing weight (relative). Only these and the mix file's
-    domains are scheduled; a domain a verifier announces is only available."""
+    """Starting pool: domain or glob -> mixing weight (relative); a glob (`gym-*`) gives
+    each domain it matches its weight, a domain named too keeps its own. Only these and the
+    mix file's domains are scheduled; a domain a verifier announces is only available."""
     domain_specs: list[str] = []
     """Extra domains to register, as `NAME=module:Class`."""
     replay_floors: dict[str, float] = {}
@@ -328,6 +330,8 @@ class Scheduler(Actor):
         )
         self.mix_path = Path(cfg.mix_file) if cfg.mix_file else run_dir / "scheduler_mix.json"
         self.registry = DomainRegistry.default(cfg.domain_specs)
+        self.domain_weights = self.registry.resolve_weights(
+            cfg.domains, where="SchedulerConfig.domains")
         self.state = load_state(self.state_path) or SchedulerState()
         move_onto_clock(self.state, wall_clock_offset())
         self.mix = MixOverride()
@@ -336,7 +340,7 @@ class Scheduler(Actor):
         self.heldout: dict[str, set[str]] = {}
         self.file_tasks: dict[str, dict[str, Any]] = {}
         self._forget_announced_joins()
-        for name in cfg.domains:
+        for name in self.domain_weights:
             self._join(name)
         self._dirty = True
         self._last_persist = -math.inf  # never saved: the first save is due at once
@@ -352,7 +356,7 @@ class Scheduler(Actor):
         st = self.state
         if not st.attached:
             return
-        names = sorted(set(st.attached) - set(self.config.domains))
+        names = sorted(set(st.attached) - set(self.domain_weights))
         st.available = sorted({*st.available, *st.attached})
         st.attached = {}
         if names:
@@ -560,7 +564,7 @@ class Scheduler(Actor):
     # -- decisions --------------------------------------------------------------------
 
     def weights(self) -> dict[str, float]:
-        w = {**self.config.domains, **self.mix.weights}
+        w = {**self.domain_weights, **self.mix.weights}
         return {d: v for d, v in w.items() if d in self.curricula}
 
     def probabilities(self, eligible: set[str]) -> dict[str, float]:
@@ -728,6 +732,8 @@ class Scheduler(Actor):
         self._mix_mtime = mtime
         try:
             mix = msgspec.json.decode(self.mix_path.read_bytes(), type=MixOverride)
+            mix = msgspec.structs.replace(
+                mix, weights=self.registry.resolve_weights(mix.weights))
             for name in mix.weights:
                 if name not in self.curricula:
                     self._join(name)

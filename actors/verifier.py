@@ -35,7 +35,8 @@ from reinforge.rl.samples import scored_from_verdict, task_spec_of
 
 class VerifierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     domains: list[str] = []
-    """Domains this verifier serves; [] = every registered domain (one input on rollout.*)."""
+    """Domains this verifier serves, by name or glob (`gym-*`); [] = every registered domain
+    (one input on rollout.*)."""
     extra_domains: list[str] = []
     """More domains as `NAME=MODULE:CLASS` specs (added to the built-ins and entry points)."""
     concurrency: int = 32
@@ -101,13 +102,8 @@ class VerifierActor(Actor):
             from reinforge.envs.domains.judge import JudgeConfig, JudgeDomain
 
             self.registry.attach(JudgeDomain(config=JudgeConfig(judge_url=config.judge_url)))
-        names = list(config.domains) or self.registry.names()
-        unknown = [n for n in names if n not in self.registry]
-        if unknown:
-            raise ValueError(
-                f"VerifierConfig.domains: unknown {unknown}; known: {self.registry.names()}"
-            )
-        self.domain_names = names
+        self.named_domains = self.registry.resolve(config.domains, where="VerifierConfig.domains")
+        self.domain_names = self.named_domains or self.registry.names()
         self.limits = ResourceLimits(resource_limits(config))
         self.domains: dict[str, Any] = {}
         self.ready = trio.Event()
@@ -118,7 +114,7 @@ class VerifierActor(Actor):
 
     def inputs(self) -> list[Input]:
         cfg: VerifierConfig = self.config
-        named = list(cfg.domains)
+        named = self.named_domains
         return [Input(  # one intake for every domain: `concurrency` is the verifier's
             subject=subjects.rollout(self.ctx.run, named[0] if len(named) == 1 else "*"),
             filters=tuple(subjects.rollout(self.ctx.run, d) for d in self.domain_names

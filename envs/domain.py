@@ -27,16 +27,21 @@ Concurrency: each domain names the scarce `resource` its verification uses
 ("cpu", "sandbox", "judge"); the verifier actor bounds concurrency per
 resource with `ResourceLimits`.
 
+Selection: a run names its domains by name or by fnmatch glob (`gym-*`, `gym-*_arithmetic`);
+`DomainRegistry.resolve` and `resolve_weights` are the one place globs become names.
+
 Invariant: no module-level mutable state. The registry is an object.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import importlib
 import importlib.metadata
 import random
+import re
 from collections.abc import Iterable, Mapping
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -51,6 +56,7 @@ ENTRY_POINT_GROUP = "reinforge.domains"
 LEGACY_ENTRY_POINT_GROUP = "reinforge.envs"
 """Read too, before ENTRY_POINT_GROUP (which wins a name both declare): the group the
 registry read before, so plug-ins declared there keep working."""
+GLOB_CHARS = "*?["
 
 
 class Verdict(msgspec.Struct, frozen=True, kw_only=True):
@@ -242,6 +248,32 @@ def load_object(spec: str) -> Any:
     return obj
 
 
+def is_glob(pattern: str) -> bool:
+    """Whether a domain pattern is an fnmatch glob (`gym-*`) rather than a plain name."""
+    return any(c in pattern for c in GLOB_CHARS)
+
+
+def _family_may_hold(prefix: str, pattern: str) -> bool:
+    """Whether a family's names (`prefix...`) may match `pattern`: a name must start with
+    the prefix; a glob's literal head (before its first wildcard) must agree with it, so
+    `gym-*` or `*` loads the gym family and `ma*` does not."""
+    if not is_glob(pattern):
+        return pattern.startswith(prefix)
+    head = re.split(r"[*?\[]", pattern, maxsplit=1)[0]
+    return head.startswith(prefix) or prefix.startswith(head)
+
+
+@contextmanager
+def _about(where: str):
+    """A ValueError inside says which config field it is about (`where`, when given)."""
+    try:
+        yield
+    except ValueError as exc:
+        if not where:
+            raise
+        raise ValueError(f"{where}: {exc}") from None
+
+
 def _build(obj: Any) -> Any:
     """A class or factory function is called with no arguments; an instance is kept."""
     if isinstance(obj, type) or (callable(obj) and not isinstance(obj, Domain)):
@@ -260,6 +292,8 @@ class DomainRegistry:
         self._factories: dict[str, Any] = {}
         self._instances: dict[str, Domain] = {}
         self._families: dict[str, str] = {}
+        """Families not loaded yet: prefix -> spec."""
+        self._family_prefixes: list[str] = []
 
     @classmethod
     def default(cls, extra_specs: Iterable[str] = (), *, entry_points: bool = True):
@@ -302,11 +336,13 @@ class DomainRegistry:
     def add_family(self, prefix: str, spec: str) -> None:
         """Domains named `prefix...`, listed by `spec` (MODULE:FUNCTION) on first need."""
         self._families[prefix] = spec
+        self._family_prefixes.append(prefix)
 
-    def _load_families(self, name: str | None = None) -> None:
-        """Load the family `name` belongs to (every family when None); its names join, an
-        explicit spec of the same name keeps precedence."""
-        for prefix in [p for p in self._families if name is None or name.startswith(p)]:
+    def _load_families(self, pattern: str | None = None) -> None:
+        """Load the families `pattern` (a name or a glob) may select (every family when None);
+        their names join, an explicit spec of the same name keeps precedence."""
+        for prefix in [p for p in self._families
+                       if pattern is None or _family_may_hold(p, pattern)]:
             members = load_object(self._families.pop(prefix))()
             for member, factory in members.items():
                 self._factories.setdefault(member, factory)
@@ -317,6 +353,56 @@ class DomainRegistry:
         if families:
             self._load_families()
         return sorted(self._factories)
+
+    def resolve(self, patterns: Iterable[str], *, where: str = "") -> list[str]:
+        """The domain names `patterns` select, each once, in the patterns' order: a name
+        selects itself, a glob (fnmatch, case-sensitive) every registered name it matches,
+        sorted. A pattern that selects nothing is a ValueError naming it (and `where`, the
+        config field it came from)."""
+        selected: dict[str, None] = {}
+        with _about(where):
+            for pattern in patterns:
+                selected.update(dict.fromkeys(self._select(pattern)))
+        return list(selected)
+
+    def resolve_weights(self, weights: Mapping[str, float], *,
+                        where: str = "") -> dict[str, float]:
+        """`weights` (name or glob -> weight) per name, in `resolve`'s order: each name a glob
+        matches gets the glob's weight, a name given explicitly its own (`{"gym-*": 1.0,
+        "gym-gcd": 0.0}` leaves gym-gcd out). Two globs giving one name different weights
+        are a ValueError: no order of keys should decide it silently."""
+        names = self.resolve(weights, where=where)
+        explicit = {p: w for p, w in weights.items() if not is_glob(p)}
+        from_glob: dict[str, tuple[str, float]] = {}
+        with _about(where):
+            for pattern, weight in weights.items():
+                for name in self._select(pattern) if is_glob(pattern) else ():
+                    first, first_weight = from_glob.setdefault(name, (pattern, weight))
+                    if name not in explicit and first_weight != weight:
+                        raise ValueError(
+                            f"domain {name!r} matches {first!r} (weight {first_weight}) and "
+                            f"{pattern!r} (weight {weight}): give it a weight of its own")
+        return {n: explicit[n] if n in explicit else from_glob[n][1] for n in names}
+
+    def _select(self, pattern: str) -> list[str]:
+        """The names one pattern selects; none is a ValueError."""
+        if not is_glob(pattern):
+            if pattern not in self:
+                raise ValueError(f"no domain named {pattern!r}; known: {self._known()}")
+            return [pattern]
+        self._load_families(pattern)
+        matches = sorted(n for n in self._factories if fnmatch.fnmatchcase(n, pattern))
+        if not matches:
+            raise ValueError(f"no domain matches {pattern!r}; known: {self._known()}")
+        return matches
+
+    def _known(self, limit: int = 8) -> str:
+        """A few known names for an error message, a family as `prefix*`."""
+        singular = [n for n in sorted(self._factories)
+                    if not any(n.startswith(p) for p in self._family_prefixes)]
+        shown = singular[:limit] + [f"{p}*" for p in self._family_prefixes]
+        more = f" and {len(singular) - limit} more" if len(singular) > limit else ""
+        return f"{', '.join(shown)}{more} (`reinforge envs list` lists them all)"
 
     def __contains__(self, name: str) -> bool:
         self._load_families(name)

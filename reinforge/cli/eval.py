@@ -30,7 +30,8 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--model", help="Hugging Face-format model directory (and its tokenizer)")
     p.add_argument("--url", help="use this running rollout server instead of starting one")
-    p.add_argument("--domains", default="math", help="comma-separated domains (default: math)")
+    p.add_argument("--domains", default="math",
+                   help="comma-separated domains or globs, e.g. 'gym-*,math' (default: math)")
     p.add_argument("--k", type=int, default=4, help="pass@k's k (default 4)")
     p.add_argument("--samples", type=int, default=0, help="completions per task (default: k)")
     p.add_argument("--tasks-per-tier", type=int, default=4, help="held-out tasks per tier")
@@ -109,6 +110,7 @@ async def _eval(args: argparse.Namespace, domains: list[str], samples: int, held
     out = sys.stderr if args.json else sys.stdout
     registry = DomainRegistry.default()
     try:
+        domains = registry.resolve(domains, where="--domains")
         doms = {d: registry.get(d) for d in domains}
         sets = build_heldout(registry, domains, heldout)
     except (KeyError, ValueError) as exc:

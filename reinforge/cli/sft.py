@@ -15,7 +15,8 @@ def register(subparsers: Any) -> None:
     sft.add_argument("--model", required=True, help="Hugging Face-format model directory")
     sft.add_argument("--out", required=True, help="output directory (reused if inputs match)")
     sft.add_argument("--domains", default="math",
-                     help="comma-separated domains whose references are the demos (default math)")
+                     help="comma-separated domains or globs (gym-*) whose references are the "
+                          "demos (default math)")
     sft.add_argument("--tiers", default="0", help="comma-separated tiers (default 0)")
     sft.add_argument("--jsonl", default="", help="JSONL of {prompt, response} rows instead")
     sft.add_argument("--examples", type=int, default=256, help="demos from the domains")
@@ -32,6 +33,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
+    from reinforge.envs.domain import DomainRegistry
     from reinforge.rl.sft import SFTConfig, run_sft
 
     from reinforge.cli import UserError
@@ -49,7 +51,8 @@ def cmd_sft(args: argparse.Namespace) -> int:
     try:
         cfg = SFTConfig(
             model=args.model, out=args.out,
-            domains=tuple(d.strip() for d in args.domains.split(",") if d.strip()),
+            domains=tuple(DomainRegistry.default().resolve(
+                (d.strip() for d in args.domains.split(",") if d.strip()), where="--domains")),
             tiers=tiers, jsonl=args.jsonl, num_examples=args.examples, steps=args.steps,
             batch_size=args.batch_size, learning_rate=args.lr, max_len=args.max_len,
             seed=args.seed, torch_threads=args.threads,

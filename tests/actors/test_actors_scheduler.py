@@ -346,6 +346,22 @@ def test_an_announced_domain_is_only_available_until_the_mix_file_gives_it_a_wei
     trio.run(main)
 
 
+def test_a_glob_in_the_mix_schedules_each_domain_it_matches_but_one_named_with_weight_0(
+    creds, run_name, tmp_path
+):
+    n = 64
+    cfg = config(tmp_path, domains={"gym-*_arithmetic": 1.0, "gym-basic_arithmetic": 0.0},
+                 max_in_flight=n, groups_per_version=n, max_staleness=0, group_size=2)
+
+    async def main():
+        async with open_bus(creds) as bus, scheduler(creds, run_name, cfg):
+            return await TaskWatcher(bus, run_name).until(lambda ts: len(ts) >= n, timeout_s=60)
+
+    tasks = trio.run(main)
+    assert {t.domain for t in tasks} == {"gym-bitwise_arithmetic", "gym-calendar_arithmetic",
+                                         "gym-complex_arithmetic", "gym-decimal_arithmetic"}
+
+
 def default_verifier_announcement() -> m.Announce:
     """What a verifier with the default config announces (`VerifierActor.capabilities`):
     every registered domain."""

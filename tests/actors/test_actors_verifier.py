@@ -359,6 +359,43 @@ def test_a_killed_verifier_redelivers_its_rollouts_and_each_is_scored_exactly_on
     trio.run(main)
 
 
+ARITHMETIC = ["gym-basic_arithmetic", "gym-bitwise_arithmetic", "gym-calendar_arithmetic",
+              "gym-complex_arithmetic", "gym-decimal_arithmetic"]
+
+
+async def first_announcement(announcements, actor_type: str, timeout_s: float) -> m.Announce:
+    with trio.fail_after(timeout_s):
+        async for batch in announcements:
+            for msg in (m.decode(r.data) for r in batch):
+                if msg.actor_type == actor_type:
+                    return msg
+    raise AssertionError("the announcement subscription ended")
+
+
+@pytest.mark.nats
+@pytest.mark.slow
+def test_a_glob_in_the_verifiers_config_serves_every_family_domain_it_matches(
+    creds, creds_file, run_name, spawn
+):
+    registry = DomainRegistry.default()
+    tasks = [registry.get(d).sample_task(random.Random(d), 0) for d in ARITHMETIC]
+    rollouts = [rollout_for(t, t.reference, 0) for t in tasks]
+
+    async def main():
+        async with open_bus(creds) as bus, bus.subscribe(subjects.announce(run_name)) as ann:
+            await publish_rollouts(bus, run_name, rollouts)
+            spawn("actor", "run", VERIFIER, "--run", run_name, "--creds", str(creds_file),
+                  "--set", "domains=['gym-*_arithmetic']", "--set", "sandbox=false",
+                  log_name="verifier.log")
+            hello = await first_announcement(ann, "verifier", timeout_s=60)
+            got = await collect_scored(bus, run_name, len(rollouts), timeout_s=60)
+        assert hello.capabilities == [f"verifier for domain {d}" for d in ARITHMETIC]
+        assert {s.rollout.domain: (s.outcome, s.reward) for s in got.values()} == {
+            d: (m.Outcome.PASS, 1.0) for d in ARITHMETIC}
+
+    trio.run(main)
+
+
 @pytest.mark.nats
 def test_a_check_longer_than_the_lease_keeps_it_and_is_not_redelivered(creds, run_name):
     rollouts = renamed(good_and_bad("math", 0), "slowmath")

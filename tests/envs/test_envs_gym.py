@@ -121,6 +121,16 @@ def test_every_domain_means_the_singular_ones_unless_a_family_is_asked_for():
     assert len(registry.names()) >= len(singular) + 100
 
 
+def test_the_glob_gym_star_selects_the_whole_family():
+    registry = DomainRegistry.default()
+    every = DomainRegistry.default().names(families=True)
+    family = registry.resolve(["gym-*"])
+    assert family == [n for n in every if n.startswith(gym.PREFIX)] and len(family) >= 100
+    assert registry.resolve(["gym-*_arithmetic"]) == [
+        "gym-basic_arithmetic", "gym-bitwise_arithmetic", "gym-calendar_arithmetic",
+        "gym-complex_arithmetic", "gym-decimal_arithmetic"]
+
+
 def test_a_chatty_generator_prints_nothing_to_our_stdout(gym_domains, capsys):
     # bf's compiler prints a dot per optimisation pass; before, the dots landed in front of
     # `reinforge eval --json`'s JSON line, and the demo could not read it

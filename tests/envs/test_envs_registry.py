@@ -186,6 +186,64 @@ def test_the_reinforge_domains_group_wins_a_name_the_older_reinforge_envs_group_
     assert DomainRegistry.default().get("echo").description == "repeat the prompt, again"
 
 
+def toy_family():
+    """A family of three domains, `toy-a`, `toy-b`, `toy-c` (listed on first need)."""
+    return {f"toy-{w}": EchoDomain for w in "abc"}
+
+
+def toy_registry() -> DomainRegistry:
+    reg = DomainRegistry()
+    for name in ("echo", "math"):
+        reg.attach(EchoDomain(), name=name)
+    reg.add_family("toy-", f"{__name__}:toy_family")
+    return reg
+
+
+def test_a_glob_selects_every_domain_it_matches_and_names_keep_their_place():
+    reg = toy_registry()
+    assert reg.resolve(["math", "toy-*", "echo", "toy-b"]) == [
+        "math", "toy-a", "toy-b", "toy-c", "echo"]  # a glob's matches sorted, each name once
+    assert reg.resolve(["toy-[ab]", "e?ho"]) == ["toy-a", "toy-b", "echo"]
+    assert reg.resolve(["math"]) == ["math"] and reg.resolve([]) == []
+
+
+def test_a_glob_loads_only_the_families_it_may_match():
+    reg = toy_registry()
+    assert reg.resolve(["ma*"]) == ["math"]
+    assert reg.names() == ["echo", "math"]  # the toy family was not listed for it
+    assert reg.resolve(["*"]) == ["echo", "math", "toy-a", "toy-b", "toy-c"]
+
+
+def test_a_globs_weight_goes_to_each_match_and_a_named_domain_keeps_its_own():
+    reg = toy_registry()
+    weights = reg.resolve_weights({"toy-*": 1.0, "math": 2.0, "toy-b": 0.0})
+    assert list(weights.items()) == [("toy-a", 1.0), ("toy-b", 0.0), ("toy-c", 1.0),
+                                     ("math", 2.0)]
+    # the name wins whichever comes first; globs that agree may overlap
+    assert reg.resolve_weights({"toy-b": 5.0, "toy-*": 1.0, "toy-[ab]": 1.0}) == {
+        "toy-a": 1.0, "toy-b": 5.0, "toy-c": 1.0}
+
+
+def test_overlapping_globs_with_different_weights_are_refused_unless_a_name_settles_it():
+    reg = toy_registry()
+    with pytest.raises(ValueError, match=r"'toy-a' matches 'toy-\*' \(weight 1.0\) and "
+                                         r"'toy-\[ab\]' \(weight 2.0\)"):
+        reg.resolve_weights({"toy-*": 1.0, "toy-[ab]": 2.0})
+    assert reg.resolve_weights({"toy-*": 1.0, "toy-[ab]": 2.0, "toy-a": 3.0, "toy-b": 3.0}) == {
+        "toy-a": 3.0, "toy-b": 3.0, "toy-c": 1.0}
+
+
+def test_a_pattern_that_selects_nothing_is_an_error_naming_it_and_known_domains():
+    reg = toy_registry()
+    with pytest.raises(ValueError, match=r"^no domain matches 'tyo-\*'; known: echo, math, toy-\*"):
+        reg.resolve(["math", "tyo-*"])
+    with pytest.raises(ValueError, match=r"^VerifierConfig.domains: no domain named 'nope'; "
+                                         r"known: echo, math, toy-\*"):
+        reg.resolve(["nope"], where="VerifierConfig.domains")
+    with pytest.raises(ValueError, match=r"^SchedulerConfig.domains: no domain matches 'x\?'"):
+        reg.resolve_weights({"x?": 1.0}, where="SchedulerConfig.domains")
+
+
 def test_a_verdict_holds_the_bus_outcome_and_check_so_a_scored_rollout_takes_them_as_they_are():
     from reinforge.core import messages as m
 
