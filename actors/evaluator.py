@@ -42,10 +42,11 @@ from reinforge.rl.evalsets import (
     ContaminationChecker,
     HeldOutConfig,
     build_heldout,
+    modal_references,
     require_clean,
 )
 from reinforge.rl.prompts import task_prompt_ids
-from reinforge.rl.scoring import DomainScore, drop_test, score_domain
+from reinforge.rl.scoring import DomainScore, answer_signature, drop_test, score_domain
 from reinforge.core import paths, subjects
 from reinforge.core.actor import Actor, Input
 from reinforge.core.atomic import write_json_atomic
@@ -157,6 +158,7 @@ async def evaluate_sets(
 
     limiter = trio.CapacityLimiter(concurrency)
     results: dict[str, list[list[bool | None]]] = {d: [[] for _ in ts] for d, ts in sets.items()}
+    answers: dict[str, list[str]] = {d: [] for d in sets}
     rejected: dict[str, int] = dict.fromkeys(sets, 0)
 
     async def one(name: str, i: int, task: TaskSpec) -> None:
@@ -171,6 +173,8 @@ async def evaluate_sets(
             for text in completions:
                 verdict = await domains[name].verify(task, text)
                 row.append(None if verdict.outcome == "infra_error" else verdict.outcome == "pass")
+                if verdict.outcome != "infra_error":
+                    answers[name].append(answer_signature(text))
             results[name][i] = row
 
     with collapse_single_exception():
@@ -179,8 +183,32 @@ async def evaluate_sets(
                 for i, task in enumerate(tasks):
                     nursery.start_soon(one, name, i, task)
     return {name: score_domain(name, rows, k, rejected_tasks=rejected[name],
-                               task_ids=[t.task_id for t in sets[name]])
+                               task_ids=[t.task_id for t in sets[name]], answers=answers[name])
             for name, rows in results.items()}
+
+
+async def answer_prior(
+    sets: Mapping[str, Sequence[TaskSpec]], domains: Mapping[str, Any], *, draws: int = 64,
+) -> dict[str, dict[str, float]]:
+    """Each held-out task's pass with a constant answer, by domain: the most common reference
+    of the task's tier (`evalsets.modal_references`), whatever the task asks. What a policy
+    collapsed onto the answer prior scores, so a gain that does not beat it is no skill.
+    Domains that verify in a sandbox are left out (one program for every task would cost
+    a sandbox run per task to learn that it fails)."""
+    out: dict[str, dict[str, float]] = {}
+    for name, tasks in sets.items():
+        domain = domains[name]
+        if domain.resource == "sandbox":
+            continue
+        modal = modal_references(domain, sorted({t.tier for t in tasks}), draws=draws)
+        scores: dict[str, float] = {}
+        for task in tasks:
+            if task.tier in modal:
+                verdict = await domain.verify(task, modal[task.tier])
+                scores[task.task_id] = 1.0 if verdict.outcome == "pass" else 0.0
+        if scores:
+            out[name] = scores
+    return out
 
 
 # ----------------------------------------------------------------------------- the guard

@@ -43,6 +43,9 @@ SUITE_CONTAMINATION_OVERLAP = 0.95
 SUITE_MAX_SAMPLE_S = 0.5  # a family slower to make one task stalls the scheduler (sokoban: 9 s)
 SUITE_EVAL_TASKS_PER_TIER = 4
 SUITE_GUARD_DOMAINS_PER_VERSION = 10
+# A policy whose most common final answer is this share of its held-out answers (up from
+# below it) has collapsed onto the answer prior: the demo says so.
+COLLAPSED_MODE_SHARE = 0.8
 
 
 def register(subparsers: Any) -> None:
@@ -299,7 +302,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     after = evaluate(after_model, domains, eval_k, per_tier, tiers)
 
     from reinforge.metrics.report import build_report
-    from reinforge.rl.scoring import mean_change, paired_change
+    from reinforge.rl.scoring import change_beyond_prior, mean_change, paired_change
 
     report_dir = run_dir / "report"
     metrics = run_dir / "metrics" / "metrics.jsonl"
@@ -322,7 +325,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     # ten minutes); every tier's change is there too.
     tier_of = heldout_tiers(domains, per_tier, tiers)
     trained = trained_tiers(metrics)
-    changes, all_tiers = {}, {}
+    changes, all_tiers, beyond = {}, {}, {}
     for d in (d for d in p1_before if d in p1_after):
         b_tasks = before["domains"][d]["task_pass_at_1"]
         a_tasks = after["domains"][d]["task_pass_at_1"]
@@ -331,7 +334,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
             keep = {t for t, tier in tier_of[d].items() if tier in trained[d]}
             changes[d] = paired_change({t: v for t, v in b_tasks.items() if t in keep},
                                        {t: v for t, v in a_tasks.items() if t in keep})
+            beyond[d] = change_beyond_prior(
+                {t: v for t, v in b_tasks.items() if t in keep},
+                {t: v for t, v in a_tasks.items() if t in keep},
+                before["domains"][d].get("prior_task_pass", {}))
     overall = mean_change(list(changes.values()))
+    collapsed = collapsed_domains(before, after)
     improvement = overall.delta
     outcomes = count_outcomes(metrics)
     result = {
@@ -341,6 +349,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "improvement_ci95": [round(x, 4) for x in overall.ci95],
         "trained_tiers": {d: sorted(t) for d, t in sorted(trained.items())},
         "changes": {d: change_json(c) for d, c in changes.items()},
+        "improvement_beyond_prior": change_json(mean_change(list(beyond.values()))),
+        "answer_prior": answer_prior_json(before, after, beyond),
+        "collapsed": collapsed,
         "improvement_all_tiers": change_json(mean_change(list(all_tiers.values()))),
         "changes_all_tiers": {d: change_json(c) for d, c in all_tiers.items()},
         "samples": sum(sum(by_outcome.values()) for by_outcome in outcomes.values()),
@@ -360,6 +371,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     lo, hi = overall.ci95
     say(f"eval pass@1 before {p1_before} after {p1_after}; improvement {improvement:+.3f} "
         f"(95 % CI {lo:+.3f} .. {hi:+.3f}, paired over {overall.n_tasks} held-out tasks)")
+    if collapsed:
+        say(f"the policy gives one answer to most tasks of {', '.join(collapsed)} (modal "
+            f"answer share >= {COLLAPSED_MODE_SHARE}): their gains are the answer prior, not "
+            "a skill; improvement_beyond_prior counts only what beats the constant answer")
     if args.json:
         print(json.dumps(result), flush=True)
     else:
@@ -371,6 +386,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
             + " was an infrastructure error, so nothing was learned there; "
             "`reinforge sandbox doctor` says what the sandbox set-up lacks")
     return 0
+
+
+def collapsed_domains(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """Domains where the policy came to give one answer to most held-out tasks (its modal
+    answer's share reached COLLAPSED_MODE_SHARE from below): RL found the answer prior."""
+    return sorted(d for d, sc in after["domains"].items() if d in before["domains"]
+                  and sc.get("answer_mode_share", 0.0) >= COLLAPSED_MODE_SHARE
+                  > before["domains"][d].get("answer_mode_share", 0.0))
+
+
+def answer_prior_json(before: dict[str, Any], after: dict[str, Any],
+                      beyond: dict[str, Any]) -> dict[str, Any]:
+    """Per trained domain: the constant answer's pass@1 (absent for sandboxed domains), the
+    policy's modal answer share before and after, and the change over max(before, constant)
+    per task."""
+    out = {}
+    for d, change in beyond.items():
+        b, a = before["domains"][d], after["domains"][d]
+        out[d] = {"modal_answer_share": [round(b.get("answer_mode_share", 0.0), 4),
+                                         round(a.get("answer_mode_share", 0.0), 4)],
+                  "beyond_prior": change_json(change)}
+        if "prior_pass_at_1" in b:
+            out[d]["prior_pass_at_1"] = round(b["prior_pass_at_1"], 4)
+    return out
 
 
 def metrics_records(metrics: Path, *kinds: str) -> Iterator[dict[str, Any]]:

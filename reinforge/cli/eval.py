@@ -10,6 +10,11 @@ and stdout is one JSON object (the last line). The held-out sets are the evaluat
 (`--seed`, `--tasks-per-tier`, `--heldout-file`), and `--train-file` runs the same
 contamination check first (exit 2 when it finds overlap). Code and terminal domains run
 their checks in the Podman sandbox pool.
+
+Two figures tell a skill from the answer prior: `answer_mode_share`, how often the policy's
+most common final answer was given (near 1.0: one answer whatever the task), and, for the
+domains verified in-process, `prior_pass_at_1`, the pass@1 of answering every task with
+its tier's most common reference (a gain up to there needs no skill).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import fmean
 from typing import Any
 
 
@@ -100,7 +106,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 async def _eval(args: argparse.Namespace, domains: list[str], samples: int, heldout: Any) -> int:
     import trio
     from reinforge.rl.evalsets import build_heldout, check_contamination
-    from reinforge.actors.evaluator import ServerSource, evaluate_sets
+    from reinforge.actors.evaluator import ServerSource, answer_prior, evaluate_sets
     from reinforge.engine.tokenizer import load_tokenizer
     from reinforge.rollout.client import RolloutClient, RolloutServerUnavailable
     from reinforge.envs.domain import DomainRegistry
@@ -142,6 +148,7 @@ async def _eval(args: argparse.Namespace, domains: list[str], samples: int, held
             scores = await _with_sandbox(args, doms, lambda ds: evaluate_sets(
                 sets, ds, source, samples=samples, k=args.k, concurrency=args.concurrency))
             took_s = time.monotonic() - t0
+        prior = await answer_prior(sets, doms)
     except RolloutServerUnavailable as exc:
         raise UserError(f"rollout server: {exc}") from None
     except RuntimeError as exc:  # the server did not start
@@ -149,17 +156,24 @@ async def _eval(args: argparse.Namespace, domains: list[str], samples: int, held
     finally:
         if server is not None:
             await trio.to_thread.run_sync(server.stop)
+    prior_p1 = {d: fmean(tasks.values()) for d, tasks in prior.items()}
     for d, s in scores.items():
         print(f"{d:10s} pass@1 {s.pass_at_1:.3f}  pass@{s.k} {s.pass_at_k:.3f}  "
               f"tasks {s.n_tasks}  samples {s.samples}  run std {s.run_std:.3f}  "
-              f"infra errors {s.infra_errors}  refused {s.rejected_tasks}", file=out)
+              f"infra errors {s.infra_errors}  refused {s.rejected_tasks}  "
+              f"modal answer {s.answer_mode_share:.2f}"
+              + (f"  constant answer's pass@1 {prior_p1[d]:.3f}" if d in prior else ""),
+              file=out)
     result = {
         "model": args.model or url, "k": args.k, "samples": samples, "eval_s": round(took_s, 3),
         "domains": {d: {"pass_at_1": s.pass_at_1, "pass_at_k": s.pass_at_k, "k": s.k,
                         "n_tasks": s.n_tasks, "samples": s.samples,
                         "run_pass_rates": s.run_pass_rates, "run_std": s.run_std,
                         "infra_errors": s.infra_errors, "rejected_tasks": s.rejected_tasks,
-                        "task_pass_at_1": s.task_pass_at_1}
+                        "task_pass_at_1": s.task_pass_at_1,
+                        "answer_mode_share": s.answer_mode_share,
+                        **({"prior_pass_at_1": prior_p1[d], "prior_task_pass": prior[d]}
+                           if d in prior else {})}
                     for d, s in scores.items()},
     }
     if args.json:

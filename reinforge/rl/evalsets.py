@@ -100,6 +100,21 @@ def build_heldout(
     return out
 
 
+def modal_references(domain: Any, tiers: Iterable[int], *, draws: int = 64,
+                     seed: int = 0) -> dict[int, str]:
+    """The most common reference completion of each tier among `draws` tasks drawn as the
+    scheduler draws training tasks: the answer a policy that ignores its prompt would learn
+    to give. A tier whose tasks carry no reference is left out."""
+    out: dict[int, str] = {}
+    for tier in tiers:
+        rng = random.Random(f"prior:{domain.name}:{tier}:{seed}")
+        refs = Counter(ref for ref in (domain.sample_task(rng, tier).reference
+                                       for _ in range(draws)) if ref)
+        if refs:
+            out[tier] = refs.most_common(1)[0][0]
+    return out
+
+
 def heldout_fingerprints(sets: Mapping[str, Sequence[TaskSpec]]) -> dict[str, set[str]]:
     return {d: {fingerprint(t.prompt) for t in tasks} for d, tasks in sets.items()}
 

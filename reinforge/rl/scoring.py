@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import msgspec
@@ -47,6 +48,10 @@ class DomainScore(msgspec.Struct, frozen=True, kw_only=True):
     task_pass_at_1: dict[str, float] = {}
     """Pass@1 of each task with a verified sample, by task id: what a paired comparison of
     two checkpoints on the same held-out set needs (`paired_change`)."""
+    answer_mode_share: float = 0.0
+    """Share of the samples whose final answer (`answer_signature`) is the most common one:
+    near 1.0, the policy gives one answer whatever the task asks, having collapsed onto the
+    answer prior (`actors.evaluator.answer_prior` scores that constant answer)."""
 
     def figures(self) -> dict[str, float]:
         return {
@@ -56,18 +61,35 @@ class DomainScore(msgspec.Struct, frozen=True, kw_only=True):
             "run_max": max(self.run_pass_rates, default=0.0),
             "infra_errors": float(self.infra_errors),
             "rejected_tasks": float(self.rejected_tasks),
+            "answer_mode_share": self.answer_mode_share,
         }
+
+
+def answer_signature(completion: str) -> str:
+    """A completion's last non-empty line, its whitespace collapsed: where every domain's
+    format puts the final answer (`#### 7`, `<answer>7</answer>`), so two completions with
+    the same signature gave the same answer."""
+    lines = [line for line in completion.splitlines() if line.strip()]
+    return " ".join(lines[-1].split()) if lines else ""
+
+
+def mode_share(values: Sequence[str]) -> float:
+    """The share of the most common value (0.0 for none). Worked example: (a, a, b) -> 2/3."""
+    if not values:
+        return 0.0
+    return max(Counter(values).values()) / len(values)
 
 
 def score_domain(
     domain: str, correct: Sequence[Sequence[bool | None]], k: int, *, rejected_tasks: int = 0,
-    task_ids: Sequence[str] = (),
+    task_ids: Sequence[str] = (), answers: Sequence[str] = (),
 ) -> DomainScore:
     """Scores from per-task, per-sample correctness (None = masked infrastructure fault).
 
     Per task with n verified samples, c correct: pass@1 = c/n and pass@k = the unbiased
     estimator with k' = min(k, n); the domain's figures are the means over tasks. With
-    `task_ids` (one per row), each task's pass@1 is kept too.
+    `task_ids` (one per row), each task's pass@1 is kept too; with `answers` (the verified
+    samples' `answer_signature`s), how often the most common answer was given.
     """
     if task_ids and len(task_ids) != len(correct):
         raise ValueError(f"{len(task_ids)} task ids for {len(correct)} tasks")
@@ -98,6 +120,7 @@ def score_domain(
         infra_errors=infra,
         rejected_tasks=rejected_tasks,
         task_pass_at_1=per_task,
+        answer_mode_share=mode_share(answers),
     )
 
 
@@ -125,6 +148,16 @@ def paired_change(before: Mapping[str, float], after: Mapping[str, float]) -> Ch
     delta = sum(diffs) / n
     half = 1.96 * statistics.stdev(diffs) / math.sqrt(n) if n > 1 else float("inf")
     return Change(delta=delta, ci95=(delta - half, delta + half), n_tasks=n)
+
+
+def change_beyond_prior(before: Mapping[str, float], after: Mapping[str, float],
+                        prior: Mapping[str, float]) -> Change:
+    """The paired change over the better, per task, of `before` and the constant answer's
+    pass (`prior`, 0 or 1 per task): what a policy gained beyond both its start and the
+    answer prior. A policy that collapsed onto the constant answer gets no credit for the
+    tasks it answers, and loses every task whose answer differs.
+    Worked example: before {a: 0, b: .5}, prior {a: 1, b: 0}, after {a: 1, b: 1}: (0, .5)."""
+    return paired_change({t: max(v, prior.get(t, 0.0)) for t, v in before.items()}, after)
 
 
 def mean_change(changes: Sequence[Change]) -> Change:

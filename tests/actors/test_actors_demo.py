@@ -44,6 +44,12 @@ def test_a_short_demo_advances_versions_scores_every_domain_and_writes_the_repor
         assert change["n_tasks"] == 2 * len(result["trained_tiers"][d])
     lo, hi = result["improvement_ci95"]
     assert lo <= result["improvement"] <= hi
+    # the answer prior of every trained domain verified in-process (code's is in a sandbox)
+    assert set(result["answer_prior"]) == {"math", "code", "docqa"}
+    assert "prior_pass_at_1" in result["answer_prior"]["math"]
+    assert "prior_pass_at_1" not in result["answer_prior"]["code"]
+    assert result["improvement_beyond_prior"]["n_tasks"] == \
+        sum(c["n_tasks"] for c in result["changes"].values())
     # the forgetting guard ran inside the run, and the learner reported the mismatch
     assert [v for v in result["guard"]["versions_evaluated"] if v > 0], result["guard"]
     assert result["logp_mismatch"]["steps"] >= 1
@@ -152,6 +158,25 @@ def test_the_suite_summary_counts_improved_domains_the_mean_and_the_worst_drop()
     assert s["mean_change"] == pytest.approx(0.075)
     assert s["worst_drop"] == {"domain": "gym-c", "delta": -0.05}
     assert s["left_out"] == {"gym-e": "a tier-0 prompt of 900 tokens (over 768)"}
+
+
+def test_the_demo_names_the_domains_whose_policy_collapsed_onto_one_answer():
+    from reinforge.cli.demo import COLLAPSED_MODE_SHARE, answer_prior_json, collapsed_domains
+    from reinforge.rl.scoring import Change
+
+    def ev(**shares):
+        return {"domains": {d: {"answer_mode_share": v, "prior_pass_at_1": 0.3}
+                            for d, v in shares.items()}}
+
+    before = ev(gcd=0.25, aiw=0.4, sure=0.9)
+    after = ev(gcd=0.95, aiw=0.35, sure=0.95)
+    assert COLLAPSED_MODE_SHARE == 0.8
+    # "sure" gave one answer before RL already: not RL's doing
+    assert collapsed_domains(before, after) == ["gcd"]
+    beyond = {"gcd": Change(delta=-0.1, ci95=(-0.2, 0.0), n_tasks=20)}
+    assert answer_prior_json(before, after, beyond) == {"gcd": {
+        "modal_answer_share": [0.25, 0.95], "prior_pass_at_1": 0.3,
+        "beyond_prior": {"delta": -0.1, "ci95": [-0.2, 0.0], "n_tasks": 20}}}
 
 
 def test_the_suite_takes_the_gym_families_whose_prompts_fit_and_says_why_others_do_not(

@@ -18,6 +18,7 @@ from reinforge.rl.evalsets import (
     build_heldout,
     check_contamination,
     fingerprint,
+    modal_references,
     require_clean,
 )
 from reinforge.actors.evaluator import (
@@ -25,6 +26,7 @@ from reinforge.actors.evaluator import (
     Evaluator,
     EvaluatorConfig,
     GoodVersion,
+    answer_prior,
     evaluate_sets,
     regression_rollback,
     rotation,
@@ -76,6 +78,46 @@ def test_evaluate_sets_verifies_every_sample_with_its_domain():
     assert good.n_tasks == len(sets["math"]) == 10
     assert (good.pass_at_1, good.pass_at_k) == (1.0, 1.0)
     assert (bad.pass_at_1, bad.pass_at_k) == (0.0, 0.0)
+
+
+def test_a_policy_giving_one_answer_to_every_task_scores_a_modal_share_of_one():
+    reg = DomainRegistry.default()
+    sets = build_heldout(reg, ["math"], HELD)
+    good, bad = trio.run(lambda: _both(sets, reg))
+    assert bad.answer_mode_share == 1.0  # "#### -987654321" every time
+    # the references: 10 tasks x 3 samples, most common answer 3 (or a few) times of 30
+    assert good.answer_mode_share < 0.5
+
+
+async def _both(sets, reg):
+    doms = {"math": reg.get("math")}
+    good = await evaluate_sets(sets, doms, Scripted(True), samples=3, k=2)
+    bad = await evaluate_sets(sets, doms, Scripted(False), samples=3, k=2)
+    return good["math"], bad["math"]
+
+
+def test_the_answer_prior_scores_each_held_out_task_with_its_tiers_most_common_reference():
+    reg = DomainRegistry.default()
+    math, gcd = reg.get("math"), reg.get("gym-gcd")
+    sets = build_heldout(reg, ["math", "gym-gcd"], HeldOutConfig(tasks_per_tier=20, tiers=[0]))
+    modal = modal_references(math, [0])
+    # tier 0 is one-digit sums: the modal reference is one of them, the same on every call
+    assert modal == modal_references(math, [0]) and modal[0].startswith("#### ")
+    prior = trio.run(answer_prior, sets, {"math": math, "gym-gcd": gcd})
+    assert set(prior) == {"math", "gym-gcd"}
+    assert prior["math"] == {t.task_id: float(t.reference == modal[0]) for t in sets["math"]}
+    # small answers dominate gcds of random pairs: the constant answer is right on some
+    gcd_modal = modal_references(gcd, [0])[0]
+    assert prior["gym-gcd"] == {t.task_id: float(t.reference == gcd_modal)
+                                for t in sets["gym-gcd"]}
+    assert 0 < sum(prior["gym-gcd"].values()) < 20
+
+
+def test_the_answer_prior_leaves_out_domains_verified_in_a_sandbox():
+    reg = DomainRegistry.default()
+    sets = build_heldout(reg, ["math", "code"], HeldOutConfig(tasks_per_tier=1, tiers=[0]))
+    prior = trio.run(answer_prior, sets, {"math": reg.get("math"), "code": reg.get("code")})
+    assert set(prior) == {"math"}
 
 
 # ----------------------------------------------------------------------------- contamination
@@ -305,6 +347,9 @@ def test_reinforge_eval_scores_a_hugging_face_checkpoint_offline(tiny_model_dir,
         assert 0.0 <= s["pass_at_1"] <= s["pass_at_k"] <= 1.0
         assert len(s["run_pass_rates"]) == 3
         assert s["infra_errors"] == 0
+        assert 0.0 < s["answer_mode_share"] <= 1.0
+    assert set(result["domains"]["math"]["prior_task_pass"]) == \
+        set(result["domains"]["math"]["task_pass_at_1"])
     assert "pass@2" in out.err  # the table went to stderr
     msgspec.json.decode(out.out.strip().splitlines()[-1])  # stdout is exactly the JSON
 

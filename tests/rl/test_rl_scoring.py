@@ -3,7 +3,16 @@
 from math import comb
 
 import pytest
-from reinforge.rl.scoring import Change, mean_change, paired_change, pass_at_k, score_domain
+from reinforge.rl.scoring import (
+    Change,
+    answer_signature,
+    change_beyond_prior,
+    mean_change,
+    mode_share,
+    paired_change,
+    pass_at_k,
+    score_domain,
+)
 
 
 def test_pass_at_k_equals_the_combinatorial_formula():
@@ -58,3 +67,29 @@ def test_the_mean_of_per_domain_changes_adds_their_variances():
     half = 1.96 * 0.05 ** 0.5 / 2
     assert m.delta == pytest.approx(0.1) and m.n_tasks == 30
     assert m.ci95 == pytest.approx((0.1 - half, 0.1 + half))
+
+
+def test_an_answer_signature_is_the_last_non_empty_line_with_its_spaces_collapsed():
+    assert answer_signature("7 * 3 = 21\n####   26 \n\n") == "#### 26"
+    assert answer_signature("think\n<answer>2</answer>") == "<answer>2</answer>"
+    assert answer_signature("  \n") == ""
+
+
+def test_scores_give_the_share_of_the_most_common_answer():
+    T, F = True, False
+    s = score_domain("gcd", [[T, F], [F, T]], k=1,
+                     answers=["<answer>2</answer>"] * 3 + ["<answer>5</answer>"])
+    assert s.answer_mode_share == 0.75
+    assert s.figures()["answer_mode_share"] == 0.75
+    assert mode_share(["a", "a", "b"]) == pytest.approx(2 / 3) and mode_share([]) == 0.0
+
+
+def test_a_change_beyond_the_prior_credits_only_what_beats_the_constant_answer():
+    # a: the constant answer was right (prior 1), b: it was wrong (prior 0)
+    c = change_beyond_prior({"a": 0.0, "b": 0.5}, {"a": 1.0, "b": 1.0}, {"a": 1.0, "b": 0.0})
+    assert c.delta == pytest.approx(0.25) and c.n_tasks == 2
+    # a policy collapsed onto the constant answer: right where it is, wrong elsewhere
+    collapsed = change_beyond_prior({"a": 0.25, "b": 0.25}, {"a": 1.0, "b": 0.0},
+                                    {"a": 1.0, "b": 0.0})
+    assert paired_change({"a": 0.25, "b": 0.25}, {"a": 1.0, "b": 0.0}).delta == 0.25
+    assert collapsed.delta == pytest.approx(-0.125)
