@@ -85,6 +85,17 @@ def test_tiers_follow_the_curriculum_and_a_level_the_dataset_rejects_is_left_out
     assert gym.tier_configs("knight_swap") == [{}]
 
 
+def test_a_level_whose_items_take_minutes_to_make_is_not_a_tier():
+    from reinforge.rl.evalsets import HeldOutConfig, build_heldout
+
+    assert gym.TIER_CAPS["number_sequence"][0] == 3
+    assert len(gym.tier_configs("number_sequence")) == 3  # its curriculum has 4 levels
+    # every tier's held-out set is made (at level 3 one of these items ran for minutes)
+    sets = build_heldout(DomainRegistry.default(), ["gym-number_sequence"],
+                         HeldOutConfig(tasks_per_tier=20))
+    assert sorted({t.tier for t in sets["gym-number_sequence"]}) == [0, 1, 2]
+
+
 def test_a_jsonl_row_names_an_item_by_tier_and_seed(gym_domains, tmp_path):
     domain = gym_domains["gym-basic_arithmetic"]
     path = tmp_path / "tasks.jsonl"
