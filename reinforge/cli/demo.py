@@ -374,7 +374,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if collapsed:
         say(f"the policy gives one answer to most tasks of {', '.join(collapsed)} (modal "
             f"answer share >= {COLLAPSED_MODE_SHARE}): their gains are the answer prior, not "
-            "a skill; improvement_beyond_prior counts only what beats the constant answer")
+            "a skill; improvement_beyond_prior is measured against the constant answer")
     if args.json:
         print(json.dumps(result), flush=True)
     else:
@@ -399,8 +399,8 @@ def collapsed_domains(before: dict[str, Any], after: dict[str, Any]) -> list[str
 def answer_prior_json(before: dict[str, Any], after: dict[str, Any],
                       beyond: dict[str, Any]) -> dict[str, Any]:
     """Per trained domain: the constant answer's pass@1 (absent for sandboxed domains), the
-    policy's modal answer share before and after, and the change over max(before, constant)
-    per task."""
+    policy's modal answer share before and after, and the change against the better of the
+    start and the constant answer (`change_beyond_prior`)."""
     out = {}
     for d, change in beyond.items():
         b, a = before["domains"][d], after["domains"][d]

@@ -152,12 +152,17 @@ def paired_change(before: Mapping[str, float], after: Mapping[str, float]) -> Ch
 
 def change_beyond_prior(before: Mapping[str, float], after: Mapping[str, float],
                         prior: Mapping[str, float]) -> Change:
-    """The paired change over the better, per task, of `before` and the constant answer's
-    pass (`prior`, 0 or 1 per task): what a policy gained beyond both its start and the
-    answer prior. A policy that collapsed onto the constant answer gets no credit for the
-    tasks it answers, and loses every task whose answer differs.
-    Worked example: before {a: 0, b: .5}, prior {a: 1, b: 0}, after {a: 1, b: 1}: (0, .5)."""
-    return paired_change({t: max(v, prior.get(t, 0.0)) for t, v in before.items()}, after)
+    """The paired change against the better of two baseline policies on these tasks: the
+    policy at its start (`before`) or the constant answer (`prior`: each task's pass, 0 or
+    1, with its tier's most common reference), whichever scores higher. A policy that only
+    learned to give the constant answer gains nothing against it.
+    Worked example: before {a: .25, b: .25} (.25), prior {a: 1, b: 0} (.5), after {a: 1,
+    b: 0}: the prior is the baseline, change 0 (against `before` alone it would be +.25)."""
+    common = set(before) & set(after)
+    constant = {t: prior.get(t, 0.0) for t in common}
+    if sum(constant.values()) > sum(before[t] for t in common):
+        return paired_change(constant, after)
+    return paired_change(before, after)
 
 
 def mean_change(changes: Sequence[Change]) -> Change:

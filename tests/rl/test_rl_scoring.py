@@ -84,12 +84,18 @@ def test_scores_give_the_share_of_the_most_common_answer():
     assert mode_share(["a", "a", "b"]) == pytest.approx(2 / 3) and mode_share([]) == 0.0
 
 
-def test_a_change_beyond_the_prior_credits_only_what_beats_the_constant_answer():
-    # a: the constant answer was right (prior 1), b: it was wrong (prior 0)
-    c = change_beyond_prior({"a": 0.0, "b": 0.5}, {"a": 1.0, "b": 1.0}, {"a": 1.0, "b": 0.0})
-    assert c.delta == pytest.approx(0.25) and c.n_tasks == 2
-    # a policy collapsed onto the constant answer: right where it is, wrong elsewhere
+def test_a_change_beyond_the_prior_is_measured_against_the_better_baseline_policy():
+    # the constant answer (right on a only: .5) beats the start (.25): it is the baseline
     collapsed = change_beyond_prior({"a": 0.25, "b": 0.25}, {"a": 1.0, "b": 0.0},
                                     {"a": 1.0, "b": 0.0})
     assert paired_change({"a": 0.25, "b": 0.25}, {"a": 1.0, "b": 0.0}).delta == 0.25
-    assert collapsed.delta == pytest.approx(-0.125)
+    assert collapsed.delta == 0.0 and collapsed.n_tasks == 2
+    skilled = change_beyond_prior({"a": 0.25, "b": 0.25}, {"a": 1.0, "b": 1.0},
+                                  {"a": 1.0, "b": 0.0})
+    assert skilled.delta == pytest.approx(0.5)
+    # the start (.75) beats the constant answer (.5): the plain paired change
+    kept = change_beyond_prior({"a": 0.75, "b": 0.75}, {"a": 1.0, "b": 0.5},
+                               {"a": 1.0, "b": 0.0})
+    assert kept == paired_change({"a": 0.75, "b": 0.75}, {"a": 1.0, "b": 0.5})
+    # no constant answer known (a sandboxed domain): the plain paired change
+    assert change_beyond_prior({"a": 0.5}, {"a": 1.0}, {}).delta == 0.5
