@@ -13,7 +13,10 @@ the regression guard that rolls a bad version back.
   correctness over all samples, pass@k the unbiased estimator (Chen et al. 2021); the
   per-run pass rates (run j = the j-th sample of every task) and their spread are the
   multi-run stability figures. Samples whose verification hit an infrastructure fault are
-  masked, never counted as failures.
+  masked, never counted as failures. `answer_mode_share` is how often the most common
+  final answer was given, and `answer_prior` scores the constant answer (each tier's most
+  common reference) on the same tasks: a policy collapsed onto the answer prior shows as
+  a share near 1 and a pass@1 no better than the constant's.
 * Regression guard: a version with a domain below its `thresholds` entry, or whose pass@1
   fell against that domain's baseline (its scores at the last good version that evaluated
   it) by more than `drop_margin` with a one-sided sign test on the shared tasks at

@@ -73,6 +73,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--tis-cap", type=float, default=2.0,
                    help="the learner's truncated importance-sampling cap (0: off, the plain "
                         "clipped ratio to the behaviour logprobs)")
+    p.add_argument("--kl-coef", type=float, default=0.0,
+                   help="the learner's KL penalty to the SFT start, the regularised side of "
+                        "the forgetting guard (0: off, the default)")
     p.add_argument("--json", action="store_true", help="end with one JSON object on stdout")
     p.set_defaults(func=cmd_demo)
 
@@ -202,7 +205,7 @@ config = {{ domains = [{dlist}], sandbox_pool_size = {SANDBOX_POOL_SIZE} }}
 
 [[actors]]
 spec = "reinforge.actors.learner:Learner"
-config = {{ model = {json.dumps(str(sft))}, checkpoint_dir = {json.dumps(str(ckpt))}, learning_rate = {args.learning_rate}, tis_cap = {args.tis_cap}, torch_threads = 1, keep_last = 2, keep_every = {args.guard_every if guard is not None else 0} }}
+config = {{ model = {json.dumps(str(sft))}, checkpoint_dir = {json.dumps(str(ckpt))}, learning_rate = {args.learning_rate}, tis_cap = {args.tis_cap}, kl_coef = {args.kl_coef}, torch_threads = 1, keep_last = 2, keep_every = {args.guard_every if guard is not None else 0} }}
 
 [[actors]]
 spec = "reinforge.actors.monitor:Monitor"

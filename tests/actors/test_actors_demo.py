@@ -190,3 +190,20 @@ def test_the_suite_takes_the_gym_families_whose_prompts_fit_and_says_why_others_
     assert all(why.startswith("a tier-0 prompt of ") or " s to make one tier-0 task" in why
                for why in left_out.values())
     assert "gym-sokoban" in left_out  # about 9 s a task
+
+
+def test_the_demos_kl_coefficient_reaches_the_learners_config(tmp_path):
+    import argparse
+
+    from reinforge.cli.demo import cluster_config, register
+    from reinforge.core.cluster import load_cluster_config
+
+    parser = argparse.ArgumentParser(prog="reinforge")
+    register(parser.add_subparsers(dest="command"))
+    config = tmp_path / "demo.toml"
+    for argv, want in ((["demo"], 0.0), (["demo", "--kl-coef", "0.05"], 0.05)):
+        args = parser.parse_args(argv)
+        config.write_text(cluster_config("kl", tmp_path, tmp_path / "sft", ["math"], args))
+        learner, = [a for a in load_cluster_config(config).actors
+                    if a.spec.endswith(":Learner")]
+        assert learner.config["kl_coef"] == want
