@@ -158,6 +158,10 @@ def test_the_suite_summary_counts_improved_domains_the_mean_and_the_worst_drop()
     assert s["mean_change"] == pytest.approx(0.075)
     assert s["worst_drop"] == {"domain": "gym-c", "delta": -0.05}
     assert s["left_out"] == {"gym-e": "a tier-0 prompt of 900 tokens (over 768)"}
+    assert "improved_by_0_10_beyond_prior" not in s
+    # gym-a's gain was the constant answer's: beyond the prior only gym-b's counts
+    beyond = {"gym-a": change(0.0), "gym-b": change(0.10), "gym-c": change(-0.05)}
+    assert suite_summary(changes, {}, beyond)["improved_by_0_10_beyond_prior"] == 1
 
 
 def test_the_demo_names_the_domains_whose_policy_collapsed_onto_one_answer():
