@@ -63,6 +63,7 @@ def scheduler_with(n_domains: int, batch: int, tmp: str):
     sched.registry = DomainRegistry()
     for name in names:
         sched.registry.attach(CheapDomain(name))
+    sched.domain_weights = sched.registry.resolve_weights(cfg.domains)
     sched.state, sched.mix = SchedulerState(), MixOverride()
     sched.curricula, sched.heldout, sched.file_tasks = {}, {}, {}
     sched._dirty = False

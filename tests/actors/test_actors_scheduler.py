@@ -643,3 +643,19 @@ def test_a_domain_quota_caps_its_tasks_in_flight_and_the_rest_go_to_the_others(
             return Counter(lease.task.domain for lease in st.leases.values())
 
     assert trio.run(main) == {"math": 1, "docqa": 5}
+
+
+def test_the_scheduler_bench_sets_a_scheduler_up_as_setup_does_and_plans_full_batches():
+    # The bench builds a Scheduler by hand (no bus): an attribute that setup() gained and the
+    # bench did not (the resolved domain weights) broke it unseen once.
+    import subprocess
+    import sys
+
+    bench = Path(__file__).parent.parent.parent / "bench" / "scheduler.py"
+    out = subprocess.run([sys.executable, str(bench), "--json", "--domains", "5,20",
+                          "--batch", "4", "--repeats", "1"],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [row["domains"] for row in result["rows"]] == [5, 20]
+    assert result["code_path"] == "actors.scheduler.Scheduler._plan"
