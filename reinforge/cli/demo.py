@@ -317,10 +317,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         with open(metrics, "a") as f:
             for version_of, res in ((0, before), (version, after)):
                 f.writelines(json.dumps({
-                        "t": time.time(), "kind": "eval", "version": version_of, "domain": d,
-                        "pass_at_1": sc["pass_at_1"], "pass_at_k": sc["pass_at_k"],
-                        "k": sc["k"], "n_tasks": sc["n_tasks"], "figures": {},
-                    }) + "\n" for d, sc in res["domains"].items())
+                    "t": time.time(), "kind": "eval", "version": version_of, "domain": d,
+                    "pass_at_1": sc["pass_at_1"], "pass_at_k": sc["pass_at_k"],
+                    "k": sc["k"], "n_tasks": sc["n_tasks"], "figures": {},
+                }) + "\n" for d, sc in res["domains"].items())
         report_path = build_report(metrics, report_dir, run=run).page
     p1_before = {d: s["pass_at_1"] for d, s in before["domains"].items()}
     p1_after = {d: s["pass_at_1"] for d, s in after["domains"].items()}
