@@ -43,9 +43,6 @@ SUITE_CONTAMINATION_OVERLAP = 0.95
 SUITE_MAX_SAMPLE_S = 0.5  # a family slower to make one task stalls the scheduler (sokoban: 9 s)
 SUITE_EVAL_TASKS_PER_TIER = 4
 SUITE_GUARD_DOMAINS_PER_VERSION = 10
-# A policy whose most common final answer is this share of its held-out answers (up from
-# below it) has collapsed onto the answer prior: the demo says so.
-COLLAPSED_MODE_SHARE = 0.8
 
 
 def register(subparsers: Any) -> None:
@@ -375,6 +372,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     say(f"eval pass@1 before {p1_before} after {p1_after}; improvement {improvement:+.3f} "
         f"(95 % CI {lo:+.3f} .. {hi:+.3f}, paired over {overall.n_tasks} held-out tasks)")
     if collapsed:
+        from reinforge.rl.scoring import COLLAPSED_MODE_SHARE
+
         say(f"the policy gives one answer to most tasks of {', '.join(collapsed)} (modal "
             f"answer share >= {COLLAPSED_MODE_SHARE}): their gains are the answer prior, not "
             "a skill; improvement_beyond_prior is measured against the constant answer")
@@ -394,6 +393,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def collapsed_domains(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     """Domains where the policy came to give one answer to most held-out tasks (its modal
     answer's share reached COLLAPSED_MODE_SHARE from below): RL found the answer prior."""
+    from reinforge.rl.scoring import COLLAPSED_MODE_SHARE
+
     return sorted(d for d, sc in after["domains"].items() if d in before["domains"]
                   and sc.get("answer_mode_share", 0.0) >= COLLAPSED_MODE_SHARE
                   > before["domains"][d].get("answer_mode_share", 0.0))

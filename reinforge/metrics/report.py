@@ -128,18 +128,24 @@ MASTERED_AT = 0.9
 
 
 def frontier(evals: list[Record]) -> dict[str, str]:
-    """Where each evaluated domain stands: "mastered" (last pass@1 >= MASTERED_AT),
-    "out of reach" (pass@1 0 in every evaluation), else "learning"."""
+    """Where each evaluated domain stands: "out of reach" (pass@1 0 in every evaluation),
+    "one answer" (the last evaluation's policy gave one final answer to most tasks:
+    collapsed onto the answer prior, whatever its pass@1), "mastered" (last pass@1 >=
+    MASTERED_AT), else "learning"."""
+    from reinforge.rl.scoring import COLLAPSED_MODE_SHARE
+
     by_domain: dict[str, list[Record]] = collections.defaultdict(list)
     for r in evals:
         by_domain[r["domain"]].append(r)
     out = {}
     for d, rows in by_domain.items():
         rows.sort(key=lambda r: (r["version"], r["t"]))
-        if rows[-1]["pass_at_1"] >= MASTERED_AT:
-            out[d] = "mastered"
-        elif all(r["pass_at_1"] == 0 for r in rows):
+        if all(r["pass_at_1"] == 0 for r in rows):
             out[d] = "out of reach"
+        elif rows[-1].get("figures", {}).get("answer_mode_share", 0.0) >= COLLAPSED_MODE_SHARE:
+            out[d] = "one answer"
+        elif rows[-1]["pass_at_1"] >= MASTERED_AT:
+            out[d] = "mastered"
         else:
             out[d] = "learning"
     return out
@@ -547,9 +553,11 @@ def render_markdown(run: str, figures: dict[str, Any], domains: dict[str, dict[s
     if any(p != "not evaluated" for p in places):
         lines += ["### Frontier", "",
                   f"From the held-out evaluations: mastered = last pass@1 >= {MASTERED_AT}, "
-                  "out of reach = pass@1 0 in every evaluation, learning = the rest.", "",
+                  "out of reach = pass@1 0 in every evaluation, one answer = the last "
+                  "evaluation's policy gave one final answer to most tasks (the answer "
+                  "prior, not a skill), learning = the rest.", "",
                   "| place | domains | which |", "|---|---|---|"]
-        for place in ("learning", "mastered", "out of reach", "not evaluated"):
+        for place in ("learning", "mastered", "one answer", "out of reach", "not evaluated"):
             names = sorted(places.get(place, []))
             shown = ", ".join(names[:12]) + (f", ... ({len(names) - 12} more)"
                                              if len(names) > 12 else "")

@@ -65,6 +65,12 @@ class DomainScore(msgspec.Struct, frozen=True, kw_only=True):
         }
 
 
+COLLAPSED_MODE_SHARE = 0.8
+"""A policy whose most common final answer is at least this share of its answers on a
+domain's held-out tasks gives one answer whatever the task: it has collapsed onto the answer
+prior (the demo names such domains; the report's frontier places them apart)."""
+
+
 def answer_signature(completion: str) -> str:
     """A completion's last non-empty line, its whitespace collapsed: where every domain's
     format puts the final answer (`#### 7`, `<answer>7</answer>`), so two completions with

@@ -165,7 +165,8 @@ def test_the_suite_summary_counts_improved_domains_the_mean_and_the_worst_drop()
 
 
 def test_the_demo_names_the_domains_whose_policy_collapsed_onto_one_answer():
-    from reinforge.cli.demo import COLLAPSED_MODE_SHARE, answer_prior_json, collapsed_domains
+    from reinforge.cli.demo import answer_prior_json, collapsed_domains
+    from reinforge.rl.scoring import COLLAPSED_MODE_SHARE
     from reinforge.rl.scoring import Change
 
     def ev(**shares):

@@ -229,6 +229,18 @@ def test_the_frontier_sorts_domains_into_learning_mastered_and_out_of_reach():
                                "d": "learning"}  # d reached 0.3 once: not out of reach
 
 
+def test_the_frontier_places_a_domain_answered_with_one_answer_apart_from_mastered():
+    def ev(domain, version, p, share):
+        return {"kind": "eval", "t": float(version), "domain": domain, "version": version,
+                "pass_at_1": p, "figures": {"answer_mode_share": share}}
+
+    # gcd: pass@1 rose to the constant answer's while one answer took over; coin: the
+    # same pass@1 with answers that vary by task
+    evals = [ev("gcd", 1, 0.1, 0.3), ev("gcd", 2, 0.95, 0.95), ev("coin", 1, 0.5, 0.4),
+             ev("coin", 2, 0.95, 0.5), ev("none", 1, 0.0, 1.0)]
+    assert frontier(evals) == {"gcd": "one answer", "coin": "mastered", "none": "out of reach"}
+
+
 def test_a_run_of_forty_domains_gets_a_heatmap_and_a_frontier_table(tmp_path):
     records = [{"kind": "eval", "t": float(v * 100 + d), "domain": f"gym-{d:02d}", "version": v,
                 "pass_at_1": 0.0 if d < 3 else min(1.0, d / 40 + v / 10), "pass_at_k": 1.0,
