@@ -316,7 +316,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 f.writelines(json.dumps({
                     "t": time.time(), "kind": "eval", "version": version_of, "domain": d,
                     "pass_at_1": sc["pass_at_1"], "pass_at_k": sc["pass_at_k"],
-                    "k": sc["k"], "n_tasks": sc["n_tasks"], "figures": {},
+                    "k": sc["k"], "n_tasks": sc["n_tasks"],
+                    "figures": {"answer_mode_share": sc.get("answer_mode_share", 0.0)},
                 }) + "\n" for d, sc in res["domains"].items())
         report_path = build_report(metrics, report_dir, run=run).page
     p1_before = {d: s["pass_at_1"] for d, s in before["domains"].items()}

@@ -56,12 +56,18 @@ def test_a_short_demo_advances_versions_scores_every_domain_and_writes_the_repor
     assert result["logp_mismatch"]["tis_weight_mean_median"] > 0
     assert result["versions"] >= 1, out.stderr[-3000:]
     run_dir = Path(result["run_dir"])
-    scored = set()
+    scored, start_evals = set(), {}
     for line in (run_dir / "metrics" / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
         if rec.get("kind") == "scored":
             scored.add(rec["domain"])
+        if rec.get("kind") == "eval" and rec["version"] == 0:  # the SFT start, offline
+            start_evals[rec["domain"]] = rec["figures"]["answer_mode_share"]
     assert scored == {"math", "code", "docqa"}
+    # the report's frontier reads each offline evaluation's modal answer share
+    assert set(start_evals) == {"math", "code", "docqa"}
+    assert {d: round(share, 4) for d, share in start_evals.items()} == \
+        {d: prior["modal_answer_share"][0] for d, prior in result["answer_prior"].items()}
     report = Path(result["report"])
     assert report.exists() and "reward" in report.read_text().lower()
     assert len(list(report.parent.glob("*.png"))) >= 3
