@@ -137,12 +137,15 @@ def ensure_models(home: Path, domains: list[str], sft_steps: int,
 
 
 def evaluate(model: Path, domains: list[str], k: int, tasks_per_tier: int,
-             tiers: list[int] | None = None) -> dict[str, Any]:
+             tiers: list[int] | None = None, *, answer_prior: bool = True) -> dict[str, Any]:
     """pass@1 and pass@k on the held-out sets, every tier of each domain (the curriculum
-    may train any of them) or `tiers`, each task's pass@1 kept for the paired comparison."""
+    may train any of them) or `tiers`, each task's pass@1 kept for the paired comparison;
+    the constant answer's scores too, unless `answer_prior` is off (they do not depend on
+    the policy: the evaluation before training has them)."""
     out = reinforge("eval", "--model", str(model), "--domains", ",".join(domains),
                     "--k", str(k), "--tasks-per-tier", str(tasks_per_tier),
                     *(("--tiers", ",".join(map(str, tiers))) if tiers else ()),
+                    *(() if answer_prior else ("--no-answer-prior",)),
                     "--max-new-tokens", str(MAX_NEW_TOKENS), "--json", capture=True, timeout_s=1800)
     if out.returncode != 0:
         raise RuntimeError(f"reinforge eval failed ({out.returncode}):\n{out.stderr[-3000:]}")
@@ -299,7 +302,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     final, version = latest_checkpoint(run_dir)
     after_model = final or sft
     say(f"evaluating the final checkpoint (version {version}) on the held-out sets")
-    after = evaluate(after_model, domains, eval_k, per_tier, tiers)
+    after = evaluate(after_model, domains, eval_k, per_tier, tiers, answer_prior=False)
 
     from reinforge.metrics.report import build_report
     from reinforge.rl.scoring import change_beyond_prior, mean_change, paired_change

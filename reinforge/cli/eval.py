@@ -39,6 +39,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--domains", default="math",
                    help="comma-separated domains or globs, e.g. 'gym-*,math' (default: math)")
     p.add_argument("--k", type=int, default=4, help="pass@k's k (default 4)")
+    p.add_argument("--no-answer-prior", dest="answer_prior", action="store_false",
+                   help="skip the constant answer's scores (prior_pass_at_1): they do not "
+                        "depend on the model, and cost a task draw and a check per task")
     p.add_argument("--samples", type=int, default=0, help="completions per task (default: k)")
     p.add_argument("--tasks-per-tier", type=int, default=4, help="held-out tasks per tier")
     p.add_argument("--tiers", default="", help="comma-separated tiers (default: all)")
@@ -148,7 +151,7 @@ async def _eval(args: argparse.Namespace, domains: list[str], samples: int, held
             scores = await _with_sandbox(args, doms, lambda ds: evaluate_sets(
                 sets, ds, source, samples=samples, k=args.k, concurrency=args.concurrency))
             took_s = time.monotonic() - t0
-        prior = await answer_prior(sets, doms)
+        prior = await answer_prior(sets, doms) if args.answer_prior else {}
     except RolloutServerUnavailable as exc:
         raise UserError(f"rollout server: {exc}") from None
     except RuntimeError as exc:  # the server did not start

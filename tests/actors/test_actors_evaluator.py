@@ -354,6 +354,20 @@ def test_reinforge_eval_scores_a_hugging_face_checkpoint_offline(tiny_model_dir,
     msgspec.json.decode(out.out.strip().splitlines()[-1])  # stdout is exactly the JSON
 
 
+def test_reinforge_eval_skips_the_constant_answer_when_asked(tiny_model_dir, capsys):
+    parser = argparse.ArgumentParser(prog="reinforge")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args([
+        "eval", "--model", str(tiny_model_dir), "--domains", "math", "--k", "1",
+        "--tasks-per-tier", "1", "--tiers", "0", "--max-new-tokens", "4", "--json",
+        "--no-answer-prior",
+    ])
+    assert args.func(args) == 0
+    math = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["domains"]["math"]
+    assert math["n_tasks"] == 1 and "answer_mode_share" in math
+    assert "prior_pass_at_1" not in math and "prior_task_pass" not in math
+
+
 def test_a_tier_drawn_from_a_small_bank_holds_out_only_its_cap_so_training_keeps_the_rest():
     from reinforge.envs.domains.code import _BANK
 
