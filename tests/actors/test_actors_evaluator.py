@@ -329,14 +329,17 @@ def test_reinforge_eval_rejects_k_larger_than_samples_and_a_missing_model(tmp_pa
         args.func(args)
 
 
-@pytest.mark.slow
-def test_reinforge_eval_scores_a_hugging_face_checkpoint_offline(tiny_model_dir, capsys):
+def eval_args(*argv: str) -> argparse.Namespace:
+    """`reinforge eval ARGV` parsed by the real command's parser."""
     parser = argparse.ArgumentParser(prog="reinforge")
     register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args([
-        "eval", "--model", str(tiny_model_dir), "--domains", "math,judge", "--k", "2",
-        "--samples", "3", "--tasks-per-tier", "1", "--max-new-tokens", "8", "--json",
-    ])
+    return parser.parse_args(["eval", *argv])
+
+
+@pytest.mark.slow
+def test_reinforge_eval_scores_a_hugging_face_checkpoint_offline(tiny_model_dir, capsys):
+    args = eval_args("--model", str(tiny_model_dir), "--domains", "math,judge", "--k", "2",
+                     "--samples", "3", "--tasks-per-tier", "1", "--max-new-tokens", "8", "--json")
     assert args.func(args) == 0
     out = capsys.readouterr()
     result = json.loads(out.out.strip().splitlines()[-1])
@@ -355,13 +358,9 @@ def test_reinforge_eval_scores_a_hugging_face_checkpoint_offline(tiny_model_dir,
 
 
 def test_reinforge_eval_skips_the_constant_answer_when_asked(tiny_model_dir, capsys):
-    parser = argparse.ArgumentParser(prog="reinforge")
-    register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args([
-        "eval", "--model", str(tiny_model_dir), "--domains", "math", "--k", "1",
-        "--tasks-per-tier", "1", "--tiers", "0", "--max-new-tokens", "4", "--json",
-        "--no-answer-prior",
-    ])
+    args = eval_args("--model", str(tiny_model_dir), "--domains", "math", "--k", "1",
+                     "--tasks-per-tier", "1", "--tiers", "0", "--max-new-tokens", "4", "--json",
+                     "--no-answer-prior")
     assert args.func(args) == 0
     math = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["domains"]["math"]
     assert math["n_tasks"] == 1 and "answer_mode_share" in math
