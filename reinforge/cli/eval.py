@@ -151,7 +151,6 @@ async def _eval(args: argparse.Namespace, domains: list[str], samples: int, held
             scores = await _with_sandbox(args, doms, lambda ds: evaluate_sets(
                 sets, ds, source, samples=samples, k=args.k, concurrency=args.concurrency))
             took_s = time.monotonic() - t0
-        prior = await answer_prior(sets, doms) if args.answer_prior else {}
     except RolloutServerUnavailable as exc:
         raise UserError(f"rollout server: {exc}") from None
     except RuntimeError as exc:  # the server did not start
@@ -159,6 +158,9 @@ async def _eval(args: argparse.Namespace, domains: list[str], samples: int, held
     finally:
         if server is not None:
             await trio.to_thread.run_sync(server.stop)
+    # After the server is gone: the constant answer needs no model, and an error of a
+    # domain's own here is not the server's ("did not start").
+    prior = await answer_prior(sets, doms) if args.answer_prior else {}
     prior_p1 = {d: fmean(tasks.values()) for d, tasks in prior.items()}
     for d, s in scores.items():
         print(f"{d:10s} pass@1 {s.pass_at_1:.3f}  pass@{s.k} {s.pass_at_k:.3f}  "
