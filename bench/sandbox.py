@@ -1,15 +1,24 @@
-"""Sandbox throughput: the same batch of small Python unit-test jobs, three ways, one run.
+"""Sandbox throughput, one run: unit-test jobs three ways, then code checks three ways.
 
+Jobs (small Python unit-test jobs):
   subprocess  plain `python3 -m unittest` on the host, no isolation (the upper bound)
   naive       a fresh `podman run --rm` per job (files streamed in as a tar on stdin)
   pool        reinforge's SandboxPool (warm containers, exec + reset)
 
-All three run `concurrency` jobs at a time (for the pool: a pool of that many sandboxes, given
-every job at once, as its users do; it may run several small waiting jobs in one exec), in
-interleaved rounds so that load from other processes falls on all three alike. Prints one JSON object as the last line:
-subprocess_per_s, naive_podman_per_s, pool_per_s, pool_vs_naive, pool_vs_subprocess.
+Checks (HumanEval-shaped: the code domain's harness over a prompt, a candidate, hidden tests):
+  zygote       the pool's default: a fork of the sandbox's zygote per check (zygote.py)
+  two_process  the pool with zygote=False: one exec per check, the harness and the
+               candidate's worker each a fresh interpreter
+  podman_run   a fresh `podman run --rm` per check, the harness as a script
 
-    python bench/sandbox.py --json [--jobs 40] [--concurrency 2]
+Every way runs `concurrency` at a time (for a pool: that many sandboxes, given everything at
+once, as its users do), in interleaved rounds so that load from other processes falls on all
+alike; every way must give the same outcomes. CPU seconds per check are machine-wide (user +
+system over all processes: the Podman service, conmon and runtime count), over the check's
+rounds. Prints one JSON object as the last line: *_per_s, pool_vs_naive, pool_vs_subprocess,
+checks_*_per_s, checks_*_cpu_s, zygote_vs_two_process, zygote_vs_podman_run.
+
+    python bench/sandbox.py --json [--jobs 40] [--checks 60] [--concurrency 2]
 """
 
 from __future__ import annotations
@@ -23,10 +32,13 @@ import sys
 import tempfile
 import time
 
+import psutil
 import trio
 
+from reinforge.envs.domains.code import HARNESS_PATH, CodeDomain
 from reinforge.envs.sandbox.box import DEFAULT_IMAGE, default_podman_url, make_tar
 from reinforge.envs.sandbox.pool import InfraFailure, Job, PoolConfig, SandboxPool
+from reinforge.envs.sandbox.zygote import Check
 
 TESTS = """import unittest
 from sol import solve
@@ -183,15 +195,134 @@ async def bench(n_jobs: int, concurrency: int, rounds: int, max_batch: int = 4) 
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
 
 
+PROMPT = '''def running_max(xs: list[int]) -> list[int]:
+    """The largest element seen so far, at each position.
+    >>> running_max([1, 3, 2, 5])
+    [1, 3, 3, 5]
+    """
+'''
+CHECK_TEST = """
+def check(candidate):
+    assert candidate([1, 3, 2, 5]) == [1, 3, 3, 5]
+    assert candidate([]) == []
+    assert candidate([-2, -5, -1]) == [-2, -2, -1]
+    assert candidate([4] * 6) == [4] * 6
+    assert candidate(list(range(50, 0, -1))) == [50] * 50
+"""
+
+
+def make_checks(n: int) -> tuple[list[Check], list[str], list[str]]:
+    """n distinct HumanEval-shaped checks, about 1 in 4 wrong: (checks, nonces, expected)."""
+    domain = CodeDomain()
+    task = domain.task_from_row(
+        {"prompt": PROMPT, "test": CHECK_TEST, "entry_point": "running_max", "timeout_s": 6.0},
+        where="bench:1",
+    )
+    harness = HARNESS_PATH.read_bytes()
+    checks, nonces, expected = [], [], []
+    for i in range(n):
+        right = i % 4 != 0
+        body = (
+            f"    # candidate {i}\n    out, top = [], None\n    for x in xs:\n"
+            "        top = x if top is None or x > top else top\n        out.append(top)\n"
+            + ("    return out\n" if right else "    return out[:-1]\n")
+        )
+        nonce, payload = domain.job_for(task, body)
+        checks.append(Check(harness=harness, payload=payload, timeout_s=10.0))
+        nonces.append(nonce)
+        expected.append("pass" if right else "fail")
+    return checks, nonces, expected
+
+
+def verdict(stdout: bytes, nonce: str) -> str:
+    for line in stdout.decode(errors="replace").splitlines():
+        if line.startswith(nonce + " "):
+            return json.loads(line[len(nonce) + 1 :])["status"]
+    return "no verdict"
+
+
+async def via_podman_run(check: Check, *, url: str, image: str) -> bytes:
+    files = {"harness.py": check.harness, "payload.json": check.payload}
+    cmd = naive_cmd(url, image)
+    cmd[-1] = "cd /work && tar -x -f - && exec python3 -I -B harness.py < payload.json"
+
+    def go() -> bytes:
+        return subprocess.run(cmd, input=make_tar(files), capture_output=True, timeout=60).stdout
+
+    return await trio.to_thread.run_sync(go)
+
+
+def busy_cpu_s() -> float:
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+
+async def bench_checks(n_checks: int, concurrency: int, rounds: int) -> dict:
+    """The three ways of running a code check, in interleaved rounds."""
+    checks, nonces, expected = make_checks(n_checks)
+    url, image = default_podman_url(), DEFAULT_IMAGE
+    ways = ("zygote", "two_process", "podman_run")
+    spent = dict.fromkeys(ways, 0.0)
+    cpu = dict.fromkeys(ways, 0.0)
+    got: dict[str, list] = {w: [] for w in ways}
+    configs = {
+        w: PoolConfig(size=concurrency, cache_entries=0, zygote=w == "zygote")
+        for w in ("zygote", "two_process")
+    }
+    async with SandboxPool(configs["zygote"]) as zyg, SandboxPool(configs["two_process"]) as two:
+        assert await zyg.wait_ready(120) and await two.wait_ready(120), "pools did not warm up"
+
+        def pooled(pool):
+            async def run(check: Check) -> bytes:
+                r = await pool.run(check)
+                assert not isinstance(r, InfraFailure), f"infrastructure failure: {r}"
+                return r.stdout
+
+            return run
+
+        async def podman_run(check: Check) -> bytes:
+            return await via_podman_run(check, url=url, image=image)
+
+        fns = {"zygote": pooled(zyg), "two_process": pooled(two), "podman_run": podman_run}
+        for fn in fns.values():  # warm-up: the zygotes start, the CLI path is paged in
+            await run_all(fn, checks[:concurrency], concurrency)
+        share = -(-n_checks // rounds)
+        for start in range(0, n_checks, share):
+            part = checks[start : start + share]
+            for way in ways:
+                limit = concurrency if way == "podman_run" else len(part)
+                c0, t0 = busy_cpu_s(), time.perf_counter()
+                got[way] += await run_all(fns[way], part, limit)
+                spent[way] += time.perf_counter() - t0
+                cpu[way] += busy_cpu_s() - c0
+    want = list(expected)
+    for way in ways:
+        seen = [verdict(out, nonce) for out, nonce in zip(got[way], nonces, strict=True)]
+        assert seen == want, f"{way} verdicts wrong: {seen}"
+    out: dict = {"checks": n_checks}
+    for way in ways:
+        out[f"checks_{way}_per_s"] = n_checks / spent[way]
+        out[f"checks_{way}_cpu_s"] = cpu[way] / n_checks
+    out["zygote_vs_two_process"] = out["checks_zygote_per_s"] / out["checks_two_process_per_s"]
+    out["zygote_vs_podman_run"] = out["checks_zygote_per_s"] / out["checks_podman_run_per_s"]
+    out["zygote_cpu_vs_two_process"] = out["checks_two_process_cpu_s"] / out["checks_zygote_cpu_s"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--jobs", type=int, default=40)
+    p.add_argument("--checks", type=int, default=60, help="code checks per way (0: skip)")
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--max-batch", type=int, default=4, help="PoolConfig.max_batch (1: off)")
     p.add_argument("--rounds", type=int, default=4, help="interleaved rounds (fairness under load)")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     args = p.parse_args(argv)
     result = trio.run(bench, args.jobs, args.concurrency, args.rounds, args.max_batch)
+    if args.checks:
+        checks = trio.run(bench_checks, args.checks, args.concurrency, args.rounds)
+        result.update({k: round(v, 4) if isinstance(v, float) else v for k, v in checks.items()})
+    result["load_avg_1m"] = round(os.getloadavg()[0], 4)
     if not args.json:
         for k, v in result.items():
             print(f"{k:>24}: {v}", file=sys.stderr)

@@ -426,10 +426,9 @@ class CodeDomain:
         spec = msgspec.convert(task.spec, CodeSpec)
         nonce, stdin = self.job_for(task, completion)
         try:
-            out = await self.runner.run(
-                files={"code_harness.py": HARNESS_PATH.read_bytes()},
-                argv=["python3", "-I", "-B", "code_harness.py"],
-                stdin=stdin,
+            out = await self.runner.check(
+                harness=HARNESS_PATH.read_bytes(),
+                payload=stdin,
                 timeout_s=spec.timeout_s + self.config.overhead_s,
             )
         except RunnerInfraError as exc:

@@ -3,12 +3,18 @@
 Two processes, one file:
 
     python3 -I code_harness.py            # the HARNESS: reads its job from stdin
-    python3 -I code_harness.py worker F E # the WORKER: loads candidate file F, serves E
+    python3 -I code_harness.py worker     # the WORKER: gets the program, serves its calls
+
+or, in a sandbox's zygote (reinforge/envs/sandbox/zygote_proc.py), `zygote_entry()` in a
+fork of the zygote, whose worker is a fork of the harness made BEFORE the job is read, so
+the worker's memory never held the tests or the nonce; each check is then two forks
+instead of two interpreter start-ups.
 
 The harness reads a JSON job on stdin (a nonce, the trusted task prompt, the hidden
 tests, the entry point, a time budget), deletes the file its stdin came from, makes
 itself non-dumpable (so a same-uid process can't read its memory or fds through /proc
-or ptrace), then starts the worker. The candidate's code runs ONLY in the worker.
+or ptrace), then sends the worker the program and its entry point (the first line on
+the worker's stdin). The candidate's code runs ONLY in the worker.
 The tests run in the harness against a proxy: each call of the candidate sends the
 arguments to the worker and gets back a plain value (None, bool, int, float, complex,
 str, bytes, list, tuple, dict, set, frozenset; nothing else crosses), so
@@ -114,7 +120,7 @@ def from_wire(w, depth=0):
 # ----------------------------------------------------------------- worker (candidate side)
 
 
-def worker_main(candidate_path, entry_point):
+def worker_main():
     reply = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)  # the candidate's prints go to the drained stderr pipe
     sys.stdout = sys.stderr
@@ -124,8 +130,8 @@ def worker_main(candidate_path, entry_point):
         reply.flush()
 
     try:
-        with open(candidate_path, encoding="utf-8") as fh:
-            source = fh.read()
+        load = json.loads(sys.stdin.readline())
+        source, entry_point = load["program"], load["entry_point"]
         namespace = {"__name__": "__candidate__", "__builtins__": builtins}
         exec(compile(source, "candidate.py", "exec"), namespace)
         fn = namespace.get(entry_point)
@@ -162,28 +168,69 @@ class CandidateError(Exception):
     """The candidate raised an exception that is not a built-in one."""
 
 
+def worker_process():
+    """The worker as a fresh interpreter (the harness run as a script)."""
+    return subprocess.Popen(
+        [sys.executable, "-I", "-B", os.path.abspath(__file__), "worker"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        close_fds=True,
+    )
+
+
+_exit = os._exit  # bound now: the candidate's code may replace os._exit in the worker
+
+
+class ForkedWorker:
+    """The worker as a fork of this process (the zygote's way: no interpreter start-up), with
+    the part of subprocess.Popen's interface the proxy uses. Fork it before the job is read:
+    the fork's memory is the harness's at that moment."""
+
+    def __init__(self):
+        to_r, to_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.dup2(to_r, 0)
+                os.dup2(out_w, 1)
+                os.dup2(err_w, 2)
+                os.closerange(3, 1 << 16)
+                sys.stdin = open(0, "r", encoding="utf-8", closefd=False)
+                sys.stdout = sys.stderr = open(2, "w", encoding="utf-8", closefd=False)
+                worker_main()
+            finally:
+                _exit(0)
+        for fd in (to_r, out_w, err_w):
+            os.close(fd)
+        self.pid = pid
+        self.returncode = None
+        self.stdin = os.fdopen(to_w, "wb")
+        self.stdout = os.fdopen(out_r, "rb")
+        self.stderr = os.fdopen(err_r, "rb")
+
+    def kill(self):
+        try:
+            os.kill(self.pid, 9)
+        except ProcessLookupError:
+            pass
+
+    def wait(self):
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+
 class Proxy:
-    def __init__(self, entry_point, deadline):
+    def __init__(self, proc, entry_point, deadline):
         self.entry_point = entry_point
         self.deadline = deadline
         self.calls = 0
         self.fatal = None  # (status, reason), sticky
         self.stderr_tail = b""
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-I",
-                "-B",
-                os.path.abspath(__file__),
-                "worker",
-                "candidate.py",
-                entry_point,
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            close_fds=True,
-        )
+        self.proc = proc
         self.buf = b""
         threading.Thread(target=self._drain, daemon=True).start()
 
@@ -227,7 +274,14 @@ class Proxy:
         except ValueError:
             self._fail("fail", "the candidate broke the reply protocol")
 
-    def wait_ready(self):
+    def load(self, program):
+        """Send the worker its program; return once it has loaded (or fail the run)."""
+        line = json.dumps({"program": program, "entry_point": self.entry_point}) + "\n"
+        try:
+            self.proc.stdin.write(line.encode())
+            self.proc.stdin.flush()
+        except OSError:
+            self._fail("fail", "the candidate's process is gone")
         msg = self._read_line()
         if msg.get("id") != 0 or not msg.get("ready"):
             self._fail("fail", "program did not load: %s" % msg.get("load_error", "bad reply"))
@@ -296,17 +350,16 @@ def _forget_stdin_file():
             pass
 
 
-def run_tests(job):
-    """Run the job's tests against its program; (status, reason, checks, calls)."""
-    with open("candidate.py", "w", encoding="utf-8") as fh:
-        fh.write(job["program"])
+def run_tests(job, worker=None):
+    """Run the job's tests against its program in `worker` (default: a fresh interpreter);
+    (status, reason, checks, calls)."""
     deadline = time.monotonic() + float(job["timeout_s"])
     entry = job["entry_point"]
-    proxy = Proxy(entry, deadline)
+    proxy = Proxy(worker or worker_process(), entry, deadline)
     checks = []
     try:
         try:
-            proxy.wait_ready()
+            proxy.load(job["program"])
         except CandidateDied as exc:
             status, _ = proxy.fatal
             return status, str(exc), [["loads", False, str(exc)]], 0
@@ -355,13 +408,13 @@ def run_tests(job):
         proxy.close()
 
 
-def harness_main():
+def harness_main(worker=None):
     job = json.loads(sys.stdin.buffer.read().decode("utf-8"))
     _forget_stdin_file()
     hardened = _make_non_dumpable()
     out = sys.stdout
     sys.stdout = sys.stderr  # prints from the tests don't mix with the result line
-    status, reason, checks, calls = run_tests(job)
+    status, reason, checks, calls = run_tests(job, worker)
     out.write(
         job["nonce"]
         + " "
@@ -379,8 +432,13 @@ def harness_main():
     out.flush()
 
 
+def zygote_entry():
+    """One check in a fork of the sandbox's zygote: the worker forks before the job is read."""
+    harness_main(ForkedWorker())
+
+
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "worker":
-        worker_main(sys.argv[2], sys.argv[3])
+    if len(sys.argv) == 2 and sys.argv[1] == "worker":
+        worker_main()
     else:
         harness_main()

@@ -57,6 +57,20 @@ once (every `exec_reap_s`) and, when it closes, ends the monitors of its removed
 their number stays bounded over a long run (tests/sandbox/test_sandbox_monitors.py);
 scripts/setup_podman.sh also sets a short delay for the sandbox service.
 
+Checks (zygote.py): a code check is a harness over a payload. It runs in a fork of the sandbox's
+zygote, one long-lived process per sandbox, as the candidate's uid, non-dumpable like the
+wrapper, that never runs harness or candidate code itself and holds no check's input once the
+child has it. The child starts clean (only its own stdin/stdout/stderr pipes, default signal
+handlers and mask, the zygote's starting environment, umask 022, a wiped work dir, the rlimits
+of a task); after it the zygote kills every other process of the uid and wipes every writable
+dir, and checks both, as the wrapper's reset does. What changes against one exec per task: the
+candidate's code runs in a fork of a process that forked earlier candidates, so the zygote's
+memory must hold nothing of theirs (it zeroes each payload after handing it on; the code harness
+forks the candidate's worker before it reads the tests); and the zygote outlives the task, so
+a candidate may signal it (it ignores the catchable signals; SIGKILL ends the session and the
+check gets exit 137 and no verdict, SIGSTOP runs the check into the host's deadline and the
+container is replaced).
+
 It protects against (each claim is attacked in tests/sandbox/):
   - fork bombs, memory bombs, disk fill, busy loops, sleeping past the timeout, infinite output
     (contained, reported with a precise status; the sandbox is replaced afterwards);
@@ -67,7 +81,11 @@ It protects against (each claim is attacked in tests/sandbox/):
     no-new-privileges), signalling processes outside the sandbox (own PID namespace);
   - one task seeing another's files or processes: every task starts with a checked reset (no
     process of the candidate uid, nothing in any writable dir) and ends by killing what it
-    left; a sandbox that can't be reset, timed out or flooded is replaced;
+    left; a sandbox that can't be reset, timed out or flooded is replaced; System V IPC
+    objects and POSIX message queues, which outlive processes and no wipe reaches, can't be
+    left behind (`IPC_SYSCTLS`); checks by one zygote see none of each other's files,
+    processes, sockets, threads, patched modules, signal state, cwd, umask or environment
+    (selftest.py's leak cases);
   - a candidate tampering with its wrapper (ptrace, /proc/<pid>/mem, /proc/<pid>/environ):
     the wrapper is non-dumpable (images built by scripts/setup_podman.sh; see `shell`);
   - binary garbage / invalid UTF-8 output (kept as bytes, decoded with replacement), huge
@@ -124,6 +142,16 @@ read is non-dumpable, so the task wrapper can't be ptraced, have its memory writ
 environment read by candidate processes of the same uid."""
 IMAGE_VERSION_LABEL = "reinforge.sandbox.version"
 STDIN_DIR = "/run/reinforge"  # where stdin is staged (a small tmpfs, wiped by reset)
+IPC_SYSCTLS = {
+    "kernel.shm_rmid_forced": "1",
+    "kernel.msgmni": "0",
+    "kernel.sem": "0 0 0 0",
+    "fs.mqueue.queues_max": "0",
+}
+"""System V IPC objects and POSIX message queues outlive the process that made them (they
+belong to the container's IPC namespace, not to a dir the reset wipes): shared memory goes
+with its last user, message queues and semaphore sets can't be made (multiprocessing's
+semaphores are POSIX ones, files in /dev/shm)."""
 
 
 # --------------------------------------------------------------------------- types
@@ -668,6 +696,9 @@ class Sandbox:
         self._reaped_at_s = time.monotonic()
         self.monitors_reaped = 0
         """Exec monitors this sandbox ended early (see reap_exec_monitors)."""
+        self.zygote = None
+        """Its zygote session (zygote.py), while one runs: checks go there; any other exec ends
+        it first."""
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -730,6 +761,7 @@ class Sandbox:
                 "PYTHONDONTWRITEBYTECODE": "1",
             },
             working_dir=config.work_dir,
+            sysctls=dict(IPC_SYSCTLS),
         )
         if limits is LimitMechanism.CGROUP:
             kwargs.update(
@@ -766,6 +798,7 @@ class Sandbox:
         """Kill and remove the container, then end its exec sessions' conmon monitors that
         would otherwise wait out Podman's exit_command_delay (idempotent, never raises)."""
         self.healthy = False
+        self.end_zygote()
         if _quiet_remove(self._container):
             self.monitors_reaped += reap_exec_monitors(self._container.id, removed=True)
 
@@ -1008,27 +1041,45 @@ class Sandbox:
             detail=detail,
         )
 
-    def _exec_start(self, argv: Sequence[str], env: Mapping[str, str]):
+    def end_zygote(self) -> None:
+        """End the zygote session, if one runs (never raises)."""
+        if self.zygote is not None:
+            self.zygote.close()
+            self.zygote = None
+
+    def create_exec(
+        self, argv: Sequence[str], env: Mapping[str, str], *, attach_stdin: bool = False
+    ) -> str:
+        """Create (not start) an exec of `argv` as the candidate uid in the work dir: its id.
+
+        Ends the zygote first: every exec's wrapper kills all processes of the candidate uid.
+        """
+        self.end_zygote()
         reap_s = self.config.exec_reap_s
         if reap_s and time.monotonic() - self._reaped_at_s >= reap_s:
             # one exec at a time: every earlier session of this sandbox has ended and been read
             self._reaped_at_s = time.monotonic()
             self.monitors_reaped += reap_exec_monitors(self._container.id, removed=False)
-        api = self._container.client
         body = {
             "AttachStdout": True,
             "AttachStderr": True,
-            "AttachStdin": False,
+            "AttachStdin": attach_stdin,
             "Tty": False,
             "Cmd": list(argv),
             "Env": [f"{k}={v}" for k, v in env.items()],
             "User": f"{self.uid}:{self.uid}",
             "WorkingDir": self.config.work_dir,
         }
+        resp = self._container.client.post(
+            f"/containers/{self._container.id}/exec", data=json.dumps(body)
+        )
+        resp.raise_for_status()
+        return resp.json()["Id"]
+
+    def _exec_start(self, argv: Sequence[str], env: Mapping[str, str]):
+        api = self._container.client
         try:
-            resp = api.post(f"/containers/{self._container.id}/exec", data=json.dumps(body))
-            resp.raise_for_status()
-            exec_id = resp.json()["Id"]
+            exec_id = self.create_exec(argv, env)
             start = api.post(
                 f"/exec/{exec_id}/start",
                 data=json.dumps({"Detach": False, "Tty": False}),
@@ -1052,7 +1103,7 @@ class Sandbox:
         """A trusted helper command (reset): small output, the same uid, a deadline."""
         exec_id, start = self._exec_start(argv, env or {})
         out, err = bytearray(), bytearray()
-        timer = threading.Timer(timeout_s, self._kill)
+        timer = threading.Timer(timeout_s, self.kill)
         timer.start()
         try:
             for kind, chunk in _frames(start.raw):
@@ -1072,7 +1123,7 @@ class Sandbox:
             raise SandboxInfraError(f"exec inspect in sandbox {self.name} failed: {exc}") from exc
         return int(code if code is not None else -1), bytes(out), bytes(err)
 
-    def _kill(self) -> None:
+    def kill(self) -> None:
         """Kill the whole container (the only sure way to stop everything in it)."""
         self.healthy = False
         try:
@@ -1080,7 +1131,7 @@ class Sandbox:
         except Exception:
             pass
 
-    def _alive(self) -> bool:
+    def alive(self) -> bool:
         try:
             self._container.reload()
             return self._container.status == "running"
@@ -1279,7 +1330,7 @@ class _Exec:
             if self.fired or (task is not None and task != running):
                 return
             self.fired = (reason, running)
-        self.box._kill()
+        self.box.kill()
 
     def _watch_memory(self) -> None:
         # rlimits bound memory per process, not per sandbox: watch the uid's total RSS
@@ -1304,7 +1355,7 @@ class _Exec:
                 box.healthy = False
                 self.lost = f"could not say how the run ended: exec inspect failed: {exc}"
             return None
-        if not self.fired and (code is None or not 0 <= code < 125) and not box._alive():
+        if not self.fired and (code is None or not 0 <= code < 125) and not box.alive():
             # the container died under us and we did not kill it: the candidate can't do that
             # (PID 1 and the keeper are out of its reach), so it is the infrastructure
             box.healthy = False
@@ -1328,56 +1379,83 @@ class _Exec:
         return self._classify(i, code, why, duration_s)
 
     def _classify(self, i: int, code: int, why: str | None, duration_s: float) -> RunResult:
-        box, cfg = self.box, self.box.config
-        timeout_s = self.timeouts[i]
-        rlimit = box.limits is LimitMechanism.RLIMIT
-        timed_out = (
-            why == "timeout"
-            or code == 128 + 24  # SIGXCPU: RLIMIT_CPU
-            # RLIMIT_CPU ends in SIGKILL: at the deadline it is the deadline's
-            or (code == 128 + 9 and not why and rlimit and duration_s >= timeout_s - 0.05)
-        )
-        tail = bytes(self.err.kept[i][-512:])
-        oom = why == "memory" or (
-            code != 0 and not timed_out and any(m in tail for m in _MEMORY_MARKERS)
-        )
-        if not oom and not timed_out and not rlimit and code == 128 + 9:
-            oom = box._oom_killed()
-        stdout_bytes, stderr_bytes = self.out.counts[i], self.err.counts[i]
-        detail = ""
-        if timed_out:
-            status, detail = RunStatus.TIMEOUT, f"killed at the {timeout_s:g} s deadline"
-        elif why == "flood":
-            status = RunStatus.OUTPUT_LIMIT
-            detail = f"killed after {stdout_bytes + stderr_bytes} bytes of output"
-        elif oom:
-            status = RunStatus.MEMORY_LIMIT
-            if why == "memory":
-                detail = (
-                    f"killed by the host memory watchdog: the candidate's processes held "
-                    f"{self.peak_rss} bytes, over memory_bytes={cfg.memory_bytes}"
-                )
-        else:
-            status = RunStatus.OK if code == 0 else RunStatus.NONZERO_EXIT
-        return RunResult(
-            status=status,
-            exit_code=code,
+        return classify(
+            self.box,
+            code=code,
+            why=why,
+            timeout_s=self.timeouts[i],
+            duration_s=duration_s,
             stdout=bytes(self.out.kept[i]),
             stderr=bytes(self.err.kept[i]),
-            stdout_bytes=stdout_bytes,
-            stderr_bytes=stderr_bytes,
-            duration_s=duration_s,
-            timed_out=timed_out,
-            oom_killed=oom,
-            output_truncated=max(stdout_bytes, stderr_bytes) > cfg.max_output_bytes,
-            limits=box.limits,
-            image=cfg.image,
-            detail=detail,
+            counts=(self.out.counts[i], self.err.counts[i]),
+            peak_rss=self.peak_rss,
         )
 
     def _stderr_tail(self, i: int) -> str:
         kept = self.err.kept[min(i, len(self.err.kept) - 1)]
         return bytes(kept[-500:]).decode(errors="replace")
+
+
+def classify(
+    box: Sandbox,
+    *,
+    code: int,
+    why: str | None,
+    timeout_s: float,
+    duration_s: float,
+    stdout: bytes,
+    stderr: bytes,
+    counts: tuple[int, int],
+    peak_rss: int,
+    detail: str = "",
+) -> RunResult:
+    """How a run of candidate code in `box` ended, from its exit status and `why` the host (or
+    the zygote) killed it ("timeout", "flood", "memory"; None: it was not killed): the one
+    place every path of running code (execs, zygote checks) gets its RunResult from."""
+    cfg = box.config
+    rlimit = box.limits is LimitMechanism.RLIMIT
+    timed_out = (
+        why == "timeout"
+        or code == 128 + 24  # SIGXCPU: RLIMIT_CPU
+        # RLIMIT_CPU ends in SIGKILL: at the deadline it is the deadline's
+        or (code == 128 + 9 and not why and rlimit and duration_s >= timeout_s - 0.05)
+    )
+    tail = stderr[-512:]
+    oom = why == "memory" or (
+        code != 0 and not timed_out and any(m in tail for m in _MEMORY_MARKERS)
+    )
+    if not oom and not timed_out and not rlimit and code == 128 + 9:
+        oom = box._oom_killed()
+    stdout_bytes, stderr_bytes = counts
+    if timed_out:
+        status, detail = RunStatus.TIMEOUT, f"killed at the {timeout_s:g} s deadline"
+    elif why == "flood":
+        status = RunStatus.OUTPUT_LIMIT
+        detail = f"killed after {stdout_bytes + stderr_bytes} bytes of output"
+    elif oom:
+        status = RunStatus.MEMORY_LIMIT
+        if why == "memory":
+            detail = (
+                f"killed by the host memory watchdog: the candidate's processes held "
+                f"{peak_rss} bytes, over memory_bytes={cfg.memory_bytes}"
+            )
+    else:
+        status = RunStatus.OK if code == 0 else RunStatus.NONZERO_EXIT
+    return RunResult(
+        status=status,
+        exit_code=code,
+        stdout=stdout,
+        stderr=stderr,
+        stdout_bytes=stdout_bytes,
+        stderr_bytes=stderr_bytes,
+        duration_s=duration_s,
+        timed_out=timed_out,
+        oom_killed=oom,
+        output_truncated=max(stdout_bytes, stderr_bytes) > cfg.max_output_bytes,
+        limits=box.limits,
+        image=cfg.image,
+        detail=detail,
+    )
 
 
 def _frames(raw):

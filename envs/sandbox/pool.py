@@ -16,6 +16,9 @@ Invariants:
     (batch.py) when the image has the protected wrapper: one after another, each with
     its own checked reset (all candidate processes killed, all writable dirs wiped), limits and
     deadline; jobs a dying sandbox did not get to go back to the queue;
+  - a `Check` (a harness over a payload, e.g. a code test run) goes to the sandbox's zygote
+    (zygote.py): a fork per check, with the same clean start, limits and deadline, and up to
+    max_batch - 1 more waiting checks after it; PoolConfig.zygote=False runs it as a job;
   - a sandbox that timed out, flooded, failed its reset or errored is closed and replaced in
     the background; one whose wrapper was killed is reset before its next job;
   - infrastructure failures are retried on a fresh sandbox `infra_attempts` times, then
@@ -49,6 +52,7 @@ from reinforge.envs.sandbox.box import (
     limit_mechanism,
 )
 from reinforge.envs.sandbox.batch import can_batch, inline_size, run_tasks
+from reinforge.envs.sandbox.zygote import Check, run_checks
 
 
 class InfraFailure(msgspec.Struct, frozen=True, kw_only=True):
@@ -110,6 +114,9 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_batch: int = 4
     """Most small jobs one sandbox runs in one exec when they are waiting together (each with
     its own reset, limits and deadline; see batch.py); 1 disables batching."""
+    zygote: bool = True
+    """Run checks (`Check`) in each sandbox's zygote, a fork per check (zygote.py); False: as
+    jobs, a fresh interpreter per check in its own exec."""
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -127,7 +134,7 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
 class _Slot:
     """A queued job and where its outcome goes."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Job | Check) -> None:
         self.job = job
         self.done = trio.Event()
         self.result: RunResult | None = None
@@ -270,8 +277,10 @@ class SandboxPool:
 
     # -- jobs ----------------------------------------------------------------------
 
-    async def run(self, job: Job, *, use_cache: bool = True) -> RunResult | InfraFailure:
+    async def run(self, job: Job | Check, *, use_cache: bool = True) -> RunResult | InfraFailure:
         """Run `job` on a clean warm sandbox: its RunResult, or InfraFailure after retries."""
+        if isinstance(job, Check) and not self.config.zygote:
+            job = job.as_job()
         image = self.config.sandbox.image
         key = job.cache_key(image)
         if use_cache and self.config.cache_entries and key in self._cache:
@@ -299,7 +308,7 @@ class SandboxPool:
         self._counts["infra_failures"] += 1
         return InfraFailure(error=error, attempts=self.config.infra_attempts, image=image)
 
-    async def _run_once(self, job: Job) -> RunResult:
+    async def _run_once(self, job: Job | Check) -> RunResult:
         """Queue the job for the workers and wait for its result (or its infra error)."""
         if self._nursery is None:
             raise SandboxInfraError("the sandbox pool is not open: use `async with SandboxPool()`")
@@ -335,14 +344,26 @@ class SandboxPool:
                 )
                 continue
             batch = [slot]
-            budget = MAX_INLINE_BYTES - inline_size(slot.job)
-            if can_batch(box) and _small(slot.job):
+            checks = isinstance(slot.job, Check)
+            budget = 0 if checks else MAX_INLINE_BYTES - inline_size(slot.job)
+            if checks:
+                while len(batch) < self.config.max_batch:
+                    try:
+                        more = self._queue_recv.receive_nowait()
+                    except trio.WouldBlock:
+                        break
+                    if not more.abandoned:
+                        (batch if isinstance(more.job, Check) else carry).append(more)
+            elif can_batch(box) and _small(slot.job):
                 while len(batch) < self.config.max_batch:
                     try:
                         more = self._queue_recv.receive_nowait()
                     except trio.WouldBlock:
                         break
                     if more.abandoned:
+                        continue
+                    if isinstance(more.job, Check):
+                        carry.append(more)
                         continue
                     size = inline_size(more.job)
                     if _small(more.job) and size <= budget:
@@ -353,7 +374,9 @@ class SandboxPool:
             self._busy += 1
             try:
                 tasks = [s.job for s in batch]
-                results = await trio.to_thread.run_sync(run_tasks, box, tasks)
+                results = await trio.to_thread.run_sync(
+                    run_checks if checks else run_tasks, box, tasks
+                )
             except SandboxInfraError as exc:
                 box.healthy = False
                 for s in batch:

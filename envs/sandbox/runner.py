@@ -3,7 +3,10 @@ of the harness logic, trusted inputs only) a plain local process.
 
     class CodeRunner(Protocol):
         async def run(self, *, files, argv, stdin, timeout_s) -> RunOutput
-            # raises RunnerInfraError when the infrastructure (not the candidate) failed
+        async def check(self, *, harness, payload, timeout_s) -> RunOutput
+            # a harness (source with zygote_entry()) over a payload: in the pool, a fork of
+            # the sandbox's zygote (zygote.py); elsewhere, the harness run as a script
+            # both raise RunnerInfraError when the infrastructure (not the candidate) failed
 
 `PoolRunner` wraps reinforge.envs.sandbox.pool.SandboxPool: open it with
 `async with sandbox_runner(PoolConfig(...)) as runner:`. `UnsafeLocalRunner` runs the
@@ -53,6 +56,8 @@ class CodeRunner(Protocol):
         self, *, files: Mapping[str, bytes | str], argv: list[str], stdin: bytes, timeout_s: float
     ) -> RunOutput: ...
 
+    async def check(self, *, harness: bytes, payload: bytes, timeout_s: float) -> RunOutput: ...
+
 
 class PoolRunner:
     """Jobs on a SandboxPool (rootless Podman)."""
@@ -65,9 +70,20 @@ class PoolRunner:
     async def run(
         self, *, files: Mapping[str, bytes | str], argv: list[str], stdin: bytes, timeout_s: float
     ) -> RunOutput:
-        from reinforge.envs.sandbox.pool import InfraFailure, Job
+        from reinforge.envs.sandbox.pool import Job
 
-        job = Job(files=dict(files), argv=list(argv), stdin=stdin, timeout_s=timeout_s)
+        return await self._outcome(
+            Job(files=dict(files), argv=list(argv), stdin=stdin, timeout_s=timeout_s)
+        )
+
+    async def check(self, *, harness: bytes, payload: bytes, timeout_s: float) -> RunOutput:
+        from reinforge.envs.sandbox.zygote import Check
+
+        return await self._outcome(Check(harness=harness, payload=payload, timeout_s=timeout_s))
+
+    async def _outcome(self, job) -> RunOutput:
+        from reinforge.envs.sandbox.pool import InfraFailure
+
         result = await self.pool.run(job)
         if isinstance(result, InfraFailure):
             raise RunnerInfraError(
@@ -122,6 +138,15 @@ class UnsafeLocalRunner:
 
         return await trio.to_thread.run_sync(
             self._run, dict(files), list(argv), stdin, timeout_s, abandon_on_cancel=True
+        )
+
+    async def check(self, *, harness: bytes, payload: bytes, timeout_s: float) -> RunOutput:
+        """The harness run as a script (no zygote here)."""
+        return await self.run(
+            files={"harness.py": harness},
+            argv=["python3", "-I", "-B", "harness.py"],
+            stdin=payload,
+            timeout_s=timeout_s,
         )
 
     def _run(self, files, argv, stdin, timeout_s) -> RunOutput:

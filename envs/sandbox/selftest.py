@@ -4,7 +4,13 @@
 runs the same cases. A case is contained when its result is what a sound sandbox gives
 (`check` returns "" — else it says what escaped), the host is unchanged (canary secrets never
 appear, the host's listening port got no connection, the canary file is intact), and the next
-task on the same sandbox sees no file or process of it (`probe_clean`).
+task on the same sandbox sees no file, process or IPC object of it (`PROBE_CLEAN`).
+
+Leak cases (`LEAK_CASES`) attack what candidates checked one after another by one zygote
+(zygote.py) could share: a candidate (code-harness check) leaves state behind — files, patched
+modules, threads, signal handlers, a full /tmp, its cwd and umask, environment variables,
+processes, sockets, IPC objects — and the next candidate, by the same zygote, looks for it.
+Each runs twice: the two as separate checks, then as one batch.
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ from collections.abc import Callable
 import msgspec
 import trio
 
-from reinforge.envs.sandbox.box import RunStatus, RunResult, SandboxConfig
+from reinforge.envs.sandbox.box import RunStatus, RunResult, Sandbox, SandboxConfig
 from reinforge.envs.sandbox.pool import InfraFailure, Job, PoolConfig, SandboxPool
+from reinforge.envs.sandbox.zygote import Check, run_checks
 
 
 class Context(msgspec.Struct, kw_only=True):
@@ -444,7 +451,29 @@ attempt('parent-mem', lambda: open(f'/proc/{ppid}/mem', 'r+b'))
         ),
         lambda r, ctx: _all((r.stdout_text.strip() == "socks [] False", r.stdout_text[-200:])),
     )
+    add(
+        "sysv_ipc_left_behind",
+        "System V shared memory, message queue and semaphores that outlive the task",
+        lambda ctx: py(SYSV_IPC_ATTACK),
+        lambda r, ctx: _all((r.status is RunStatus.OK, f"status {r.status} {r.stderr_text[-200:]}")),
+    )
     return c
+
+
+SYSV_IPC_ATTACK = r"""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+IPC_CREAT = 0o1000
+shm = libc.shmget(0x5EED, 4096, IPC_CREAT | 0o666)
+if shm >= 0:
+    at = libc.shmat(shm, None, 0)
+    ctypes.memmove(at, b"LEAKED-SECRET", 13)
+    libc.shmdt(ctypes.c_void_p(at))
+msg = libc.msgget(0x5EEE, IPC_CREAT | 0o666)
+sem = libc.semget(0x5EEF, 1, IPC_CREAT | 0o666)
+print("made", shm, msg, sem)
+"""
 
 
 CASES: list[Case] = _cases()
@@ -469,12 +498,284 @@ for p in os.listdir('/proc'):
         uid = int(st.split('Uid:')[1].split()[0])
         if uid == me:
             left.append('pid %s %s' % (p, open(f'/proc/{p}/cmdline').read().replace('\0', ' ')))
+for kind in ('shm', 'msg', 'sem'):
+    rows = open(f'/proc/sysvipc/{kind}').read().splitlines()[1:]
+    left += [f'sysv {kind}: {row.split()[:2]}' for row in rows]
 print('LEFT' if left else 'CLEAN', left)
 """
     },
     argv=["python3", "probe.py"],
     timeout_s=10,
 )
+
+
+class LeakCase(msgspec.Struct, frozen=True, kw_only=True):
+    """State one candidate leaves that the next one, checked by the same zygote, must not see."""
+
+    name: str
+    what: str
+    attack: str
+    """The first candidate's code (the body of its function, run when the tests call it)."""
+    probe: str
+    """The next candidate's code: appends to `found` what it sees of the attack."""
+
+
+def _leak_program(body: str) -> str:
+    lines = ["import os, signal, socket, subprocess, sys, threading, time", "def f(x):",
+             "    found = []"]
+    lines += ["    " + line if line else "" for line in body.strip("\n").splitlines()]
+    return "\n".join(lines) + "\n    return found\n"
+
+
+# What every probe also checks: files in the writable dirs, processes of the candidate's uid
+# other than itself and its ancestors (the harness, the zygote), System V IPC objects.
+_PROBE_COMMON = r"""
+for d in ('/work', '/tmp', '/var/tmp', '/dev/shm', '/run/reinforge'):
+    found += [d + '/' + n for n in os.listdir(d)]
+mine, up = {os.getpid()}, os.getpid()
+while up > 1:
+    up = int(open('/proc/%d/status' % up).read().split('PPid:')[1].split()[0])
+    mine.add(up)
+for p in os.listdir('/proc'):
+    if p.isdigit() and int(p) not in mine:
+        try:
+            st = open('/proc/%s/status' % p).read()
+        except OSError:
+            continue
+        if int(st.split('Uid:')[1].split()[0]) == os.getuid():
+            found.append('process %s %s' % (p, open('/proc/%s/cmdline' % p).read()[:60]))
+for kind in ('shm', 'msg', 'sem'):
+    found += ['sysv ' + kind + ' ' + r for r in open('/proc/sysvipc/' + kind).read().splitlines()[1:]]
+"""
+
+LEAK_CASES: list[LeakCase] = [
+    LeakCase(
+        name="leak_files",
+        what="files (one in a dir it made unreadable) in every writable dir",
+        attack="""
+for d in ('/work', '/tmp', '/var/tmp', '/dev/shm', '/run/reinforge'):
+    open(d + '/left.txt', 'w').write('from the last candidate')
+os.makedirs('/tmp/locked/deep')
+open('/tmp/locked/deep/x', 'w').write('x')
+os.chmod('/tmp/locked', 0)
+""",
+        probe="",
+    ),
+    LeakCase(
+        name="leak_patched_modules",
+        what="sys.modules, builtins and stdlib functions patched in place",
+        attack="""
+import builtins, json
+json.dumps = lambda *a, **k: 'patched'
+os.getcwd = lambda: '/patched'
+builtins.len = lambda o: 7
+sys.modules['math'] = None
+sys.path.insert(0, '/tmp')
+""",
+        probe="""
+import builtins, json
+import math
+if json.dumps([1]) != '[1]': found.append('json.dumps patched')
+if os.getcwd() == '/patched': found.append('os.getcwd patched')
+if len([1, 2]) != 2: found.append('builtins.len patched')
+if '/tmp' in sys.path: found.append('sys.path patched')
+""",
+    ),
+    LeakCase(
+        name="leak_threads",
+        what="a non-daemon thread that keeps writing files",
+        attack="""
+def spin():
+    n = 0
+    while True:
+        n += 1
+        try:
+            open('/tmp/thread-%d' % n, 'w').close()
+        except OSError:
+            pass
+        time.sleep(0.01)
+threading.Thread(target=spin).start()
+""",
+        probe="""
+time.sleep(0.3)
+if threading.active_count() != 1: found.append('threads: %d' % threading.active_count())
+""",
+    ),
+    LeakCase(
+        name="leak_signal_state",
+        what="signal handlers, a blocked signal, a pending alarm",
+        attack="""
+signal.signal(signal.SIGTERM, lambda *a: None)
+signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+signal.alarm(30)
+""",
+        probe="""
+for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+    if signal.getsignal(s) != signal.SIG_DFL: found.append('handler of %s' % s)
+if signal.pthread_sigmask(signal.SIG_BLOCK, []): found.append('blocked signals')
+if signal.alarm(0): found.append('a pending alarm')
+""",
+    ),
+    LeakCase(
+        name="leak_tmp_full",
+        what="/tmp and /dev/shm filled to the last byte",
+        attack="""
+for d in ('/tmp', '/dev/shm'):
+    try:
+        with open(d + '/fill', 'wb') as fh:
+            while True:
+                fh.write(b'x' * 65536)
+    except OSError:
+        pass
+""",
+        probe="""
+for d in ('/tmp', '/dev/shm'):
+    st = os.statvfs(d)
+    if st.f_bfree < st.f_blocks: found.append('%s: %d blocks used' % (d, st.f_blocks - st.f_bfree))
+""",
+    ),
+    LeakCase(
+        name="leak_cwd_umask",
+        what="the working directory and the umask changed",
+        attack="""
+os.chdir('/tmp')
+os.umask(0o777)
+""",
+        probe="""
+if os.getcwd() != '/work': found.append('cwd ' + os.getcwd())
+if os.umask(0o022) != 0o022: found.append('umask changed')
+""",
+    ),
+    LeakCase(
+        name="leak_environment",
+        what="environment variables set (os.environ and putenv)",
+        attack="""
+os.environ['LEAKED'] = '1'
+os.environ['PYTHONPATH'] = '/tmp'
+os.putenv('LD_PRELOAD', '/tmp/evil.so')
+""",
+        probe="""
+for k in ('LEAKED', 'PYTHONPATH', 'LD_PRELOAD'):
+    if k in os.environ: found.append('env ' + k)
+""",
+    ),
+    LeakCase(
+        name="leak_processes",
+        what="a child process and a double-forked daemon in its own session",
+        attack="""
+subprocess.Popen(['sleep', '600'])
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        while True:
+            time.sleep(0.05)
+    os._exit(0)
+""",
+        probe="",
+    ),
+    LeakCase(
+        name="leak_abstract_socket",
+        what="a daemon listening on an abstract unix socket (no file to wipe)",
+        attack="""
+if os.fork() == 0:
+    s = socket.socket(socket.AF_UNIX)
+    s.bind('\\0reinforge-leak')
+    s.listen(1)
+    while True:
+        c, _ = s.accept()
+        c.sendall(b'secret from the last candidate')
+        c.close()
+time.sleep(0.2)
+""",
+        probe="""
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect('\\0reinforge-leak')
+    found.append('abstract socket answered: %r' % s.recv(100))
+except OSError:
+    pass
+""",
+    ),
+    LeakCase(
+        name="leak_sysv_ipc",
+        what="System V shared memory with a secret, a message queue, semaphores",
+        attack=SYSV_IPC_ATTACK.replace('print("made", shm, msg, sem)', ""),
+        probe="""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.shmget(0x5EED, 0, 0) >= 0: found.append('shared memory still there')
+if libc.msgget(0x5EEE, 0) >= 0: found.append('message queue still there')
+""",
+    ),
+    LeakCase(
+        name="leak_signals_the_zygote",
+        what="SIGUSR1, SIGUSR2, SIGALRM, SIGHUP, SIGINT and SIGTERM to every process of its uid",
+        attack="""
+sigs = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM, signal.SIGHUP, signal.SIGINT, signal.SIGTERM)
+for s in sigs:
+    signal.signal(s, signal.SIG_IGN)
+for s in sigs:
+    try:
+        os.kill(-1, s)
+    except OSError:
+        pass
+""",
+        probe="",
+    ),
+]
+LEAK_CASE_NAMES = [c.name for c in LEAK_CASES]
+
+
+def leak_checks(case: LeakCase, nonce: str) -> tuple[Check, Check]:
+    """The attack's and the probe's code-harness checks."""
+    from reinforge.envs.domains.code import HARNESS_PATH  # the harness code checks really use
+
+    def check(body: str, test: str) -> Check:
+        payload = {
+            "program": _leak_program(body),
+            "prompt": "",
+            "test": test,
+            "entry_point": "f",
+            "timeout_s": 5.0,
+            "nonce": nonce,
+        }
+        return Check(harness=HARNESS_PATH.read_bytes(), payload=msgspec.json.encode(payload),
+                     timeout_s=10.0)
+
+    return (
+        check(case.attack, "def check(c):\n    c(0)\n"),
+        check(case.probe + _PROBE_COMMON, "def check(c):\n    found = c(0)\n    assert found == [], found\n"),
+    )
+
+
+def run_leak_case(box: Sandbox, case: LeakCase) -> CaseResult:
+    """The attack, then the probe (two checks by the zygote), then both in one batch: the
+    probe must pass both times. Blocking (a trio caller runs it in a thread)."""
+    nonce = uuid.uuid4().hex
+    attack, probe = leak_checks(case, nonce)
+    problems, status = [], "ok"
+    for how, results in (
+        ("alone", [run_checks(box, [attack])[0], run_checks(box, [probe])[0]]),
+        ("batched", run_checks(box, [attack, probe])),
+    ):
+        seen = results[1]
+        if seen is None:
+            problems.append(f"{how}: the probe did not run")
+            continue
+        verdict = seen.stdout_text.partition(nonce + " ")[2]
+        if '"status": "pass"' not in verdict:
+            problems.append(f"{how}: the next candidate saw {verdict[:300] or seen.stderr_text[-300:]}")
+        status = seen.status.value
+    detail = "; ".join(problems)
+    return CaseResult(
+        name=case.name,
+        contained=not detail,
+        detail=detail or "contained",
+        status=status,
+        exit_code=0 if not detail else None,
+        duration_s=0.0,
+    )
 
 
 class HostCanaries:
@@ -581,17 +882,35 @@ async def run_selftest(
     """Run the hostile cases (all, or `names`) against a fresh 1-sandbox pool."""
     config = config or SandboxConfig()
     cases = [c for c in CASES if names is None or c.name in names]
+    leaks = [c for c in LEAK_CASES if names is None or c.name in names]
     canaries = HostCanaries(root)
     results = []
+
+    def record(res: CaseResult) -> None:
+        results.append(res)
+        if on_result:
+            on_result(res)
+
+    limits = "?"
     try:
         ctx = canaries.context()
-        async with SandboxPool(PoolConfig(sandbox=config, size=1, cache_entries=0)) as pool:
-            for case in cases:
-                res = await run_case(pool, case, ctx, canaries)
-                results.append(res)
-                if on_result:
-                    on_result(res)
-            limits = pool._limits.value if pool._limits else "?"
+        if cases:
+            async with SandboxPool(PoolConfig(sandbox=config, size=1, cache_entries=0)) as pool:
+                for case in cases:
+                    record(await run_case(pool, case, ctx, canaries))
+                limits = pool._limits.value if pool._limits else "?"
+        if leaks:
+            box = await trio.to_thread.run_sync(Sandbox.start, config)
+            try:
+                limits = box.limits.value
+                for leak in leaks:
+                    record(await trio.to_thread.run_sync(run_leak_case, box, leak))
+                    if not box.healthy:  # a case killed it: the next one gets a fresh sandbox
+                        box.close()
+                        box = await trio.to_thread.run_sync(Sandbox.start, config)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(box.close)
     finally:
         canaries.close()
     contained = sum(r.contained for r in results)

@@ -26,7 +26,7 @@ SECRET_TEST = (
     "    assert candidate(4) == 564738291\n"
 )
 SNOOP = r"""
-import base64, io, os, re, tarfile
+import base64, io, os, re, sys, tarfile
 
 def _blobs(deep):
     out = []
@@ -69,10 +69,21 @@ def _blobs(deep):
                 pass
     except OSError:
         pass
-    if deep:
+    # every local of every frame up our own stack (a worker forked from a harness that had
+    # read its job would find it here)
+    f = sys._getframe()
+    while f is not None:
+        for v in list(f.f_locals.values()):
+            try:
+                out.append(repr(v).encode()[: 1 << 20])
+            except Exception:
+                pass
+        f = f.f_back
+    # the harness's memory and our own (a fork inherits its parent's memory at the fork)
+    for who in ((pid, "self") if deep else ()):
         try:
-            mem = open("/proc/%d/mem" % pid, "rb")
-            for line in open("/proc/%d/maps" % pid):
+            mem = open("/proc/%s/mem" % who, "rb")
+            for line in open("/proc/%s/maps" % who):
                 lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
                 if "r" in line.split()[1] and hi - lo < (64 << 20):
                     try:

@@ -14,7 +14,7 @@ import trio
 
 from reinforge.envs.sandbox.box import RunStatus, SandboxConfig, connect
 from reinforge.envs.sandbox.pool import Job, PoolConfig, SandboxPool
-from reinforge.envs.sandbox.selftest import CASE_NAMES, run_selftest
+from reinforge.envs.sandbox.selftest import CASE_NAMES, LEAK_CASE_NAMES, run_selftest
 
 pytestmark = pytest.mark.podman
 
@@ -24,7 +24,7 @@ def containers_labelled(url: str, run_id: str) -> list[str]:
     return [c.name for c in found]
 
 
-@pytest.mark.parametrize("name", CASE_NAMES)
+@pytest.mark.parametrize("name", CASE_NAMES + LEAK_CASE_NAMES)
 def test_hostile_case_is_contained(name, podman_url, tmp_path):
     run_id = uuid.uuid4().hex
     config = SandboxConfig(podman_url=podman_url, labels={"reinforge.test": run_id})
