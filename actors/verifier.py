@@ -144,6 +144,7 @@ class VerifierActor(Actor):
                 "sandbox_jobs": float(pool.jobs), "sandbox_execs": float(pool.batches),
                 # Podman's exec cost is paid once per exec: more jobs per exec, less CPU each
                 "sandbox_jobs_per_exec": pool.batched_jobs / max(1, pool.batches),
+                "sandbox_checks": float(pool.checks),  # by zygotes: a fork each, no exec
                 "sandbox_cache_hits": float(pool.cache_hits),
                 "sandbox_replaced": float(pool.sandboxes_replaced),
                 "sandbox_latency_p50_s": pool.latency_p50_s,

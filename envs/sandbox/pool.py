@@ -92,6 +92,8 @@ class PoolStatistics(msgspec.Struct, frozen=True, kw_only=True):
     batches: int
     """Execs that ran jobs (one or more each)."""
     batched_jobs: int
+    checks: int
+    """Checks run by the sandboxes' zygotes (no exec of their own)."""
     last_infra_error: str
 
 
@@ -390,8 +392,11 @@ class SandboxPool:
                     carry.append(s)  # not run: the sandbox died before it; run it elsewhere
                 else:
                     s.finish(r)
-            self._counts["batches"] += 1
-            self._counts["batched_jobs"] += len(batch)
+            if checks:
+                self._counts["checks"] += len(batch)
+            else:
+                self._counts["batches"] += 1
+                self._counts["batched_jobs"] += len(batch)
 
     async def check_flaky(self, job: Job, *, runs: int = 3) -> FlakeReport:
         """Run `job` `runs` times, bypassing the cache: do the outcomes agree?"""
@@ -435,5 +440,6 @@ class SandboxPool:
             flaky_found=c["flaky_found"],
             batches=c["batches"],
             batched_jobs=c["batched_jobs"],
+            checks=c["checks"],
             last_infra_error=self._last_error,
         )

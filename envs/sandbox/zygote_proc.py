@@ -19,6 +19,9 @@ resets every signal to its default, the environment to the one the zygote starte
 umask, its working directory (wiped), its niceness, and sets the rlimits. The zygote never
 runs harness or candidate code per check itself and holds no check's input after the copy.
 
+The zygote runs as the candidate's uid, as an exec's wrapper does: a child can't drop to it
+from another uid without CAP_SETUID in the container, which the sandbox never grants.
+
 After every check the zygote kills every other process of its uid (`kill(-1)` spares the
 caller), wipes every writable dir, and checks both; when that fails it reports it and exits
 (the host replaces the sandbox). It is non-dumpable (no ptrace, no /proc/<pid>/mem, fd or

@@ -15,9 +15,14 @@ from reinforge.envs.sandbox.zygote import Check, run_checks
 
 pytestmark = pytest.mark.podman
 
-RUN_PAYLOAD = (
-    b"import sys\n\ndef zygote_entry():\n    exec(sys.stdin.read(), {'__name__': 'payload'})\n"
-)
+RUN_PAYLOAD = b"""import sys
+
+def zygote_entry():
+    exec(sys.stdin.read(), {'__name__': 'payload'})
+
+if __name__ == '__main__':
+    zygote_entry()
+"""
 """A harness whose payload is a Python program: any code, as a check."""
 
 
@@ -133,3 +138,44 @@ def test_memory_over_the_sandboxs_limit_across_processes_is_caught_in_a_check(bo
     )
     [r] = run_checks(box, [Check(harness=RUN_PAYLOAD, payload=many.encode(), timeout_s=20.0)])
     assert r.status is RunStatus.MEMORY_LIMIT and r.oom_killed and r.duration_s < 10
+
+
+def test_a_payload_too_big_for_the_zygotes_pipe_runs_as_a_job(box):
+    program = "# " + "x" * (zygote_module.MAX_PAYLOAD_BYTES + 1000) + "\nprint('ran')\n"
+    [r] = run_checks(box, [Check(harness=RUN_PAYLOAD, payload=program.encode(), timeout_s=5.0)])
+    assert r.status is RunStatus.OK and r.stdout == b"ran\n"
+    assert box.zygote is None  # never started: the job's exec would have ended it anyway
+
+
+@pytest.mark.parametrize("zygote", [True, False])
+def test_the_pool_runs_checks_and_jobs_given_together_each_their_way(podman_url, zygote):
+    import trio
+
+    from reinforge.envs.sandbox.pool import InfraFailure, Job, PoolConfig, SandboxPool
+
+    checks = [code_check(f"def f(x):\n    return x * {k}\n", nonce=f"n{k}") for k in range(6)]
+    jobs = [Job(files={"a.py": f"print({k})"}, argv=["python3", "a.py"]) for k in range(4)]
+
+    async def main():
+        cfg = PoolConfig(
+            sandbox=SandboxConfig(podman_url=podman_url), size=2, cache_entries=0, zygote=zygote
+        )
+        async with SandboxPool(cfg) as pool:
+            assert await pool.wait_ready(60)
+            out: dict = {}
+
+            async def go(key, item):
+                out[key] = await pool.run(item)
+
+            async with trio.open_nursery() as n:
+                for k, item in enumerate(checks + jobs):
+                    n.start_soon(go, k, item)
+            return out, pool.statistics()
+
+    out, stats = trio.run(main)
+    assert not any(isinstance(r, InfraFailure) for r in out.values())
+    statuses = [verdict(out[k].stdout, f"n{k}")["status"] for k in range(6)]
+    assert statuses == ["fail", "fail", "pass", "fail", "fail", "fail"]
+    assert [out[6 + k].stdout for k in range(4)] == [b"%d\n" % k for k in range(4)]
+    assert stats.checks == (6 if zygote else 0)
+    assert stats.batched_jobs == (4 if zygote else 10)
