@@ -69,6 +69,11 @@ class GateStatistics(msgspec.Struct, frozen=True, kw_only=True):
     held: int
     """Generations waiting for a weights update to end."""
     updating: bool
+    drain_s: float = 0.0
+    """Seconds updates (finished ones) spent waiting for running generations to end: the
+    rollout server's batch only shrinks meanwhile."""
+    closed_s: float = 0.0
+    """Seconds the gate was closed to new generations (finished updates: drain + load)."""
 
 
 class GenerationGate:
@@ -85,6 +90,8 @@ class GenerationGate:
         self._updating = False
         self._changed = trio.Event()
         self._update_lock = trio.Lock()
+        self._drain_s = 0.0
+        self._closed_s = 0.0
 
     def _notify(self) -> None:
         self._changed.set()
@@ -109,16 +116,25 @@ class GenerationGate:
     async def update(self):
         async with self._update_lock:
             self._updating = True
+            closed = trio.current_time()
             try:
                 while self._active:
                     await self._changed.wait()
+                self._drain_s += trio.current_time() - closed
                 yield
             finally:
                 self._updating = False
+                self._closed_s += trio.current_time() - closed
                 self._notify()
 
     def statistics(self) -> GateStatistics:
-        return GateStatistics(active=self._active, held=self._held, updating=self._updating)
+        return GateStatistics(
+            active=self._active,
+            held=self._held,
+            updating=self._updating,
+            drain_s=self._drain_s,
+            closed_s=self._closed_s,
+        )
 
 
 # ----------------------------------------------------------------------------- server process
@@ -255,6 +271,8 @@ class SamplerActor(Actor):
             "weight_load_errors": float(self.weight_load_errors),
             "generations_active": float(gate.active),
             "generations_held": float(gate.held),
+            "weights_drain_s": gate.drain_s,
+            "weights_gate_closed_s": gate.closed_s,
         }
 
     async def setup(self) -> None:

@@ -121,6 +121,32 @@ def test_a_weights_update_waits_for_running_generations_and_holds_new_ones():
     trio.run(main)
 
 
+def test_the_gate_counts_the_time_updates_drained_and_kept_it_closed():
+    async def main():
+        gate = GenerationGate()
+
+        async def generation(seconds: float):
+            async with gate.generation():
+                await trio.sleep(seconds)
+
+        async def update(load_s: float):
+            async with gate.update():
+                await trio.sleep(load_s)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(generation, 2.0)
+            nursery.start_soon(generation, 0.5)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(update, 1.0)  # drains until the 2 s generation ends
+        stats = gate.statistics()
+        assert (stats.drain_s, stats.closed_s) == (2.0, 3.0)
+        async with gate.update():  # nothing runs: no drain, closed only while loading
+            await trio.sleep(0.25)
+        assert (gate.statistics().drain_s, gate.statistics().closed_s) == (2.0, 3.25)
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
 def test_without_an_update_generations_run_side_by_side():
     async def main():
         gate = GenerationGate()
