@@ -214,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="cpu: this thread's CPU time (needs --threads 1); other tenants' load "
                    "then only slows memory, not the count")  # fmt: skip
     p.add_argument("--cuda-module", default=None, help="prebuilt TVM cuda module (.so)")
+    p.add_argument("--decode-path", default=None, choices=("avx512", "avx2", "portable"),
+                   help="the int8 decode kernel (CPU; default: the best this CPU runs)")
     args = p.parse_args(argv)
 
     from reinforge.kernels.tvm_build import available_cpus, configure_threads
@@ -241,17 +243,21 @@ def main(argv: list[str] | None = None) -> int:
         ops_torch = TorchKVOps()
         read = gpu_read_bandwidth_gbps()
         target_name = torch.cuda.get_device_name()
+        decode_path = "cuda"
     else:
         configure_threads(threads)
         import torch
 
         torch.set_num_threads(threads)
         from reinforge.kernels.paged_kv import get_kv_ops
+        from reinforge.kernels.tvm_cpu import int8_decode_path
+        from reinforge.kernels.tvm_ops import TvmKVOps
 
-        ops_tvm = get_kv_ops("int8", "tvm", num_threads=threads)
+        ops_tvm = TvmKVOps("int8", num_threads=threads, decode_path=args.decode_path)
         ops_torch = get_kv_ops("int8", "torch")
         read = read_bandwidth_gbps(threads)
         target_name = ops_tvm.target.attrs.get("mcpu", "?")
+        decode_path = int8_decode_path(ops_tvm.decode_path, args.head_dim, 16)
 
     decode = [bench_decode(ops_tvm, ops_torch, ctx, args, torch) for ctx in args.contexts]
     append = bench_append(ops_tvm, ops_torch, args, torch)
@@ -265,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     for rec in decode:
         rec["tvm_vs_bandwidth"] = rec["tvm_gbps"] / read
         rec["torch_vs_bandwidth"] = rec["torch_ref_gbps"] / read
-        line = {"bench": "decode_int8", "read_gbps": read, **rec}
+        line = {"bench": "decode_int8", "decode_path": decode_path, "read_gbps": read, **rec}
         print(json.dumps(line) if args.json else line, flush=True)
     append["read_gbps"] = read
     append["tvm_vs_bandwidth"] = append["tvm_gbps"] / read  # latency-bound: 8 tokens
@@ -278,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_avg_start_end": [round(load_start, 2), round(load_end, 2)],
         "device": args.device,
         "target": str(target_name),
+        "decode_path": decode_path,
         "ctx": top["ctx"],
         "batch": args.batch,
         "kv_heads": args.kv_heads,

@@ -4,7 +4,8 @@ Modules (flat):
   * `paged_kv`: the contract (`PagedKVCache`, `allocate_cache`, `KVOps`, `get_kv_ops`), the
     cache formats, and `TorchKVOps`, the torch reference twin of every kernel;
   * `tvm_cpu`: the kernels in TVM script for `llvm` targets (quantize-on-append, gather,
-    decode attention: AVX-512 16-bit-integer version and a portable fp32 one; int4 too);
+    decode attention: 16-bit-integer versions for AVX-512 and AVX2 and a portable fp32 one,
+    the best this CPU runs picked at run time (`runnable_paths`); int4 too);
   * `tvm_cuda`: the int8 kernels for the `cuda` target;
   * `tvm_build`: compile once, cache on disk by (kernel, shape, target incl. CPU model, TVM
     version, kernel source hash), load in milliseconds; the TVM thread pool setting;

@@ -316,12 +316,16 @@ def _pack_i16_pair(lo, hi):
     )
 
 
-def _pmaddwd(a_i16x32, b_i16x32):
-    """int32x16 lanes i: a[2i] * b[2i] + a[2i+1] * b[2i+1] (AVX-512BW; LLVM fuses the add
-    into `vpdpwssd` where AVX-512 VNNI exists)."""
-    return T.call_llvm_pure_intrin(
-        "int32x16", "llvm.x86.avx512.pmaddw.d.512", a_i16x32, b_i16x32
-    )
+PMADDWD = {16: "llvm.x86.avx512.pmaddw.d.512", 8: "llvm.x86.avx2.pmadd.wd"}
+"""`vpmaddwd` by int32 lanes: 16 (AVX-512BW, zmm) or 8 (AVX2, ymm)."""
+DECODE_PATHS = ("avx512", "avx2", "portable")
+"""The int8 decode kernels, best first: `decode_path` picks the best the CPU runs."""
+
+
+def _pmaddwd(a, b, lanes: int = 16):
+    """int32 lanes i: a[2i] * b[2i] + a[2i+1] * b[2i+1], `lanes` of them from 2 x `lanes`
+    int16 (LLVM fuses the add into `vpdpwssd` where AVX-512 VNNI exists)."""
+    return T.call_llvm_pure_intrin(f"int32x{lanes}", PMADDWD[lanes], a, b)
 
 
 def make_decode_int8_avx512(
@@ -331,11 +335,13 @@ def make_decode_int8_avx512(
     block_size: int,
     heads_per_task: int,
     *,
+    lanes: int = 16,
     prefetch_ahead: int = 4,
     prefetch_locality: int = 2,
     prefetch_every_lines: int = 1,
 ):
-    """decode_int8 for AVX-512BW CPUs: the dot products run on 16-bit integers.
+    """decode_int8 for AVX-512BW CPUs (`lanes=16`) and AVX2 ones (`lanes=8`: each 16-lane
+    step below is two 8-lane halves): the dot products run on 16-bit integers.
 
     Each head's share of the page `prefetch_ahead` pages later is prefetched (LLVM locality
     `prefetch_locality`, 2 = L2) while this one is processed; 4 / 2 measured best here.
@@ -358,6 +364,9 @@ def make_decode_int8_avx512(
     PAGE = BS * D  # bytes of one head's page
     AHEAD, LOCALITY, PF_EVERY = prefetch_ahead, prefetch_locality, prefetch_every_lines
     KU = max(1, 4 // G)  # independent K accumulators per query head
+    assert lanes in PMADDWD
+    L, HALVES = lanes, 16 // lanes
+    I16 = f"int16x{2 * lanes}"
 
     @T.prim_func
     def decode_int8(
@@ -455,15 +464,23 @@ def make_decode_int8_avx512(
                     for dq in T.serial(DP // KU):
                         for u in T.unroll(KU):
                             for g in T.unroll(G):
-                                si[g, u, T.ramp(0, 1, 16)] = si[g, u, T.ramp(0, 1, 16)] + _pmaddwd(
-                                    T.Cast(
-                                        "int16x32",
-                                        kflat[T.ramp(base + (dq * KU + u) * 32, 1, 32)],
-                                    ),
-                                    T.reinterpret(
-                                        "int16x32", T.broadcast(qp[hh * G + g, dq * KU + u], 16)
-                                    ),
-                                )
+                                for hf in T.unroll(HALVES):
+                                    si[g, u, T.ramp(hf * L, 1, L)] = si[
+                                        g, u, T.ramp(hf * L, 1, L)
+                                    ] + _pmaddwd(
+                                        T.Cast(
+                                            I16,
+                                            kflat[
+                                                T.ramp(
+                                                    base + (dq * KU + u) * 32 + hf * 2 * L, 1, 2 * L
+                                                )
+                                            ],
+                                        ),
+                                        T.reinterpret(
+                                            I16, T.broadcast(qp[hh * G + g, dq * KU + u], L)
+                                        ),
+                                        L,
+                                    )
                     for g in T.serial(G):
                         i: T.let[T.int32] = hh * G + g
                         for u in T.serial(1, KU):
@@ -520,13 +537,23 @@ def make_decode_int8_avx512(
                     for tp in T.serial(TP):
                         for c in T.unroll(NC):
                             for g in T.unroll(G):
-                                vi[g, c, T.ramp(0, 1, 16)] = vi[g, c, T.ramp(0, 1, 16)] + _pmaddwd(
-                                    T.Cast(
-                                        "int16x32",
-                                        vflat[T.ramp(base + tp * (D * 2) + c * 32, 1, 32)],
-                                    ),
-                                    T.reinterpret("int16x32", T.broadcast(pp[g, tp], 16)),
-                                )
+                                for hf in T.unroll(HALVES):
+                                    vi[g, c, T.ramp(hf * L, 1, L)] = vi[
+                                        g, c, T.ramp(hf * L, 1, L)
+                                    ] + _pmaddwd(
+                                        T.Cast(
+                                            I16,
+                                            vflat[
+                                                T.ramp(
+                                                    base + tp * (D * 2) + c * 32 + hf * 2 * L,
+                                                    1,
+                                                    2 * L,
+                                                )
+                                            ],
+                                        ),
+                                        T.reinterpret(I16, T.broadcast(pp[g, tp], L)),
+                                        L,
+                                    )
                     for g in T.serial(G):
                         for d in T.vectorized(D):
                             acc[hh * G + g, d] = acc[hh * G + g, d] + (
@@ -794,6 +821,23 @@ def has_avx512bw(target) -> bool:
     return bool(codegen.llvm_cpu_has_features(["avx512bw"], target))
 
 
+def runnable_paths(target) -> list[str]:
+    """The decode paths this CPU runs, best first."""
+    from tvm.target import codegen
+
+    have = {f: bool(codegen.llvm_cpu_has_features([f], target)) for f in ("avx512bw", "avx2")}
+    return [p for p, ok in (("avx512", have["avx512bw"]), ("avx2", have["avx2"])) if ok] + [
+        "portable"
+    ]
+
+
+def int8_decode_path(path: str, head_dim: int, block_size: int) -> str:
+    """The path a shape family really gets: the integer kernels need block_size 16 and an even
+    number of 16-channel pairs (int32 sums of int16 x int8 stay exact up to head_dim 256)."""
+    fits = block_size == 16 and head_dim % 32 == 0 and head_dim <= 256
+    return path if fits else "portable"
+
+
 def make_all(
     kind: str,
     num_q_heads: int,
@@ -801,21 +845,28 @@ def make_all(
     head_dim: int,
     block_size: int,
     *,
-    avx512: bool,
+    path: str,
 ):
-    """Every kernel of one shape family for `kind`, as a name -> PrimFunc dict. `avx512`
-    selects the 16-bit integer dot-product decode (needs AVX-512BW and block_size 16);
-    otherwise the portable fp32 decode is built."""
+    """Every kernel of one shape family for `kind`, as a name -> PrimFunc dict. `path` (one of
+    DECODE_PATHS) picks the int8 decode: 16-bit integer dot products on zmm (avx512) or ymm
+    (avx2) registers, or fp32 (portable); see `int8_decode_path`."""
+    if path not in DECODE_PATHS:
+        raise ValueError(f"decode path must be one of {DECODE_PATHS}, got {path!r}")
     if kind == "int8":
-        # int32 dot products of int16 q and int8 k stay exact up to head_dim 256
-        fast = avx512 and block_size == 16 and head_dim % 32 == 0 and head_dim <= 256
-        make_decode = make_decode_int8_avx512 if fast else make_decode_int8_portable
+        path = int8_decode_path(path, head_dim, block_size)
+        if path == "portable":
+            decode = make_decode_int8_portable(
+                num_q_heads, num_kv_heads, head_dim, block_size, num_kv_heads
+            )
+        else:
+            decode = make_decode_int8_avx512(
+                num_q_heads, num_kv_heads, head_dim, block_size, num_kv_heads,
+                lanes=16 if path == "avx512" else 8,
+            )  # fmt: skip
         return {
             "quant_append_int8": make_quant_append_int8(num_kv_heads, head_dim, block_size),
             "gather_int8": make_gather_int8(num_kv_heads, head_dim, block_size),
-            "decode_int8": make_decode(
-                num_q_heads, num_kv_heads, head_dim, block_size, num_kv_heads
-            ),
+            "decode_int8": decode,
         }
     if kind == "int4":
         from reinforge.kernels.paged_kv import INT4_GROUP_SIZE as gs

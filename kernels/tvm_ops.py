@@ -40,11 +40,13 @@ class TvmKVOps:
         *,
         num_threads: int | None = None,
         cache_dir=None,
-        portable: bool = False,
+        decode_path: str | None = None,
         fallback: bool = False,
     ) -> None:
-        """`portable=True` forces the fp32 decode kernel even on AVX-512 CPUs (for tests);
-        `fallback=True` (what get_kv_ops "auto" asks for) runs the torch twin, with a log
+        """`decode_path` (tvm_cpu.DECODE_PATHS) forces one int8 decode kernel that this CPU
+        runs (for tests and benchmarks; None: the best one, `tvm_cpu.runnable_paths`); an
+        "avx2" path on an AVX-512 CPU is built for a Haswell, as an AVX2-only machine builds
+        it. `fallback=True` (what get_kv_ops "auto" asks for) runs the torch twin, with a log
         line, for a shape family whose kernels fail to compile or load, instead of raising."""
         if kind not in pk.QUANTIZED_KINDS:
             raise ValueError(
@@ -53,10 +55,22 @@ class TvmKVOps:
         self.kind = kind
         self.num_threads = configure_threads(num_threads)
 
-        from reinforge.kernels.tvm_cpu import has_avx512bw
+        import tvm
+
+        from reinforge.kernels.tvm_cpu import runnable_paths
 
         self.target = host_target()
-        self.avx512 = has_avx512bw(self.target) and not portable
+        runnable = runnable_paths(self.target)
+        self.decode_path = decode_path or runnable[0]
+        """The int8 decode kernel built here (a shape it does not fit gets "portable")."""
+        if self.decode_path not in runnable:
+            raise ValueError(
+                f"decode path {self.decode_path!r} does not run on this CPU (runs: {runnable})"
+            )
+        if self.decode_path == "avx2" and runnable[0] == "avx512":
+            self.target = tvm.target.Target(
+                {"kind": "llvm", "mcpu": "haswell", "num-cores": self.target.attrs["num-cores"]}
+            )
         self._cache_dir = cache_dir
         self._fallback = fallback
         self._modules: dict[tuple, LoadedModule | None] = {}
@@ -111,12 +125,12 @@ class TvmKVOps:
             spec = KernelSpec(
                 family=f"kv-{cache.kind}-llvm",
                 params=tuple(
-                    sorted({"hkv": h, "d": d, "bs": bs, "hq": hq, "avx512": self.avx512}.items())
+                    sorted({"hkv": h, "d": d, "bs": bs, "hq": hq, "path": self.decode_path}.items())
                 ),
             )
 
             def make() -> dict[str, Any]:
-                return tvm_cpu.make_all(cache.kind, hq, h, d, bs, avx512=self.avx512)
+                return tvm_cpu.make_all(cache.kind, hq, h, d, bs, path=self.decode_path)
 
             loaded = build_or_load(spec, self.target, make, cache_dir=self._cache_dir)
             self._modules[key] = loaded

@@ -90,13 +90,15 @@ def cmd_info(args: argparse.Namespace) -> int:
     threads = configure_threads(args.threads)
     import tvm
 
-    from reinforge.kernels.tvm_cpu import has_avx512bw
+    from reinforge.kernels.tvm_cpu import has_avx512bw, runnable_paths
 
     target = host_target()
     cache = default_cache_dir()
     files = sorted(cache.glob("*.so")) if cache.exists() else []
     print(f"tvm {tvm.__version__}")
     print(f"target {target.attrs.get('mcpu', '?')} (avx512bw: {has_avx512bw(target)})")
+    paths = runnable_paths(target)
+    print(f"int8 decode path {paths[0]} (this CPU runs: {', '.join(paths)})")
     print(f"threads {threads} of {available_cpus()} CPUs")
     print(f"cache {cache} ({len(files)} modules)")
     for f in files:
