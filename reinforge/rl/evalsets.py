@@ -1,7 +1,8 @@
 """Held-out evaluation sets per domain, and the contamination check that keeps them held out.
 
 A held-out set is either generated (a seed of its own, `tasks_per_tier` tasks per tier, no
-duplicates) or read from a JSONL file per domain. Both the scheduler and the evaluator build
+duplicates, never more than half of a tier's distinct prompts: see `build_heldout`) or read
+from a JSONL file per domain. Both the scheduler and the evaluator build
 it from the same `HeldOutConfig`: the evaluator scores on it, the scheduler never issues a
 training task whose prompt fingerprint is in it (disjoint by construction for generated
 domains, where a tier may have only ~100 distinct tasks).
@@ -64,7 +65,12 @@ def fingerprint(prompt: str) -> str:
 def build_heldout(
     registry: Any, domains: Iterable[str], config: HeldOutConfig
 ) -> dict[str, list[TaskSpec]]:
-    """The held-out tasks of each domain: from its file, else generated with the held-out seed."""
+    """The held-out tasks of each domain: from its file, else generated with the held-out seed.
+
+    A generated tier keeps at least half of its distinct prompts for training: where drawing
+    its held-out tasks met repeats (a small bank, such as a procedural family's easiest
+    level), `BANK_PROBE_DRAWS` x tasks_per_tier more draws count its distinct prompts, and at
+    most half of them are held out; otherwise training could never reach the tier."""
     out: dict[str, list[TaskSpec]] = {}
     for name in domains:
         domain = registry.get(name)
@@ -85,19 +91,38 @@ def build_heldout(
             rng = random.Random(f"heldout:{name}:{tier}:{config.seed}")
             cap = domain.tiers[tier].max_heldout
             want = min(config.tasks_per_tier, cap) if cap else config.tasks_per_tier
-            got = 0
+            held: list[TaskSpec] = []
+            draws = 0
             for _ in range(want * 20):
-                if got >= want:
+                if len(held) >= want:
                     break
+                draws += 1
                 task = domain.sample_task(rng, tier)
                 fp = fingerprint(task.prompt)
                 if fp in seen:
                     continue
                 seen.add(fp)
-                tasks.append(msgspec.structs.replace(task, task_id=f"heldout-{task.task_id}"))
-                got += 1
+                held.append(msgspec.structs.replace(task, task_id=f"heldout-{task.task_id}"))
+            if draws > len(held):  # repeats: is the tier's bank small?
+                bank = tier_bank_size(domain, tier, BANK_PROBE_DRAWS * want, held)
+                del held[bank // 2 :]
+            tasks += held
         out[name] = tasks
     return out
+
+
+BANK_PROBE_DRAWS = 4
+"""Draws per held-out task that count a tier's distinct prompts once its held-out draws met
+repeats; a tier with fewer distinct prompts than twice its held-out count is a small bank."""
+
+
+def tier_bank_size(domain: Any, tier: int, draws: int, known: Sequence[TaskSpec]) -> int:
+    """Distinct prompts among `known` and `draws` fresh draws of `tier` (its own seed, so the
+    held-out draws themselves don't change)."""
+    rng = random.Random(f"bank:{domain.name}:{tier}")
+    fps = {fingerprint(t.prompt) for t in known}
+    fps |= {fingerprint(domain.sample_task(rng, tier).prompt) for _ in range(draws)}
+    return len(fps)
 
 
 def modal_references(domain: Any, tiers: Iterable[int], *, draws: int = 64,

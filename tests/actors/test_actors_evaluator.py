@@ -475,3 +475,26 @@ def test_the_rotation_sees_every_domain_within_its_bound():
         start += len(picked)
     assert set(seen) == set(names)
     assert rotation(names, 7, 0) == names  # 0: every domain every version
+
+
+def test_a_tier_with_a_small_bank_of_prompts_keeps_half_of_them_for_training():
+    """gym-coin_flip's easiest level has 8 distinct prompts: asking 20 held-out tasks of it
+    used to hold out all 8, and the scheduler could never train on that tier."""
+    import random
+
+    from reinforge.rl.evalsets import fingerprint
+
+    reg = DomainRegistry.default()
+    coin = reg.get("gym-coin_flip")
+    held = build_heldout(reg, ["gym-coin_flip"], HeldOutConfig(tasks_per_tier=20, tiers=[0]))
+    rng = random.Random(7)
+    bank = {fingerprint(coin.sample_task(rng, 0).prompt) for _ in range(400)}
+    held_fps = {fingerprint(t.prompt) for t in held["gym-coin_flip"]}
+    assert 0 < len(held_fps) <= len(bank) // 2
+    assert len(bank - held_fps) >= len(bank) // 2  # what the scheduler may still issue
+
+
+def test_a_large_tier_gets_its_full_held_out_count():
+    sets = build_heldout(DomainRegistry.default(), ["math"], HeldOutConfig(tasks_per_tier=20,
+                                                                             tiers=[0, 2]))
+    assert [sum(t.tier == k for t in sets["math"]) for k in (0, 2)] == [20, 20]
