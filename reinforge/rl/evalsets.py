@@ -1,11 +1,11 @@
 """Held-out evaluation sets per domain, and the contamination check that keeps them held out.
 
 A held-out set is either generated (a seed of its own, `tasks_per_tier` tasks per tier, no
-duplicates, never more than half of a tier's distinct prompts: see `build_heldout`) or read
-from a JSONL file per domain. Both the scheduler and the evaluator build
-it from the same `HeldOutConfig`: the evaluator scores on it, the scheduler never issues a
-training task whose prompt fingerprint is in it (disjoint by construction for generated
-domains, where a tier may have only ~100 distinct tasks).
+duplicates, never every prompt of a tier: see `build_heldout`) or read from a JSONL file per
+domain. Both the scheduler and the evaluator build it from the same `HeldOutConfig`: the
+evaluator scores on it, the scheduler never issues a training task whose prompt fingerprint
+is in it (disjoint by construction for generated domains, where a tier may have only ~100
+distinct tasks).
 
 The contamination check compares prompts by word n-grams (GPT-3's test, 13-grams, on
 lower-cased word/punctuation tokens):
@@ -67,10 +67,10 @@ def build_heldout(
 ) -> dict[str, list[TaskSpec]]:
     """The held-out tasks of each domain: from its file, else generated with the held-out seed.
 
-    A generated tier keeps at least half of its distinct prompts for training: where drawing
-    its held-out tasks met repeats (a small bank, such as a procedural family's easiest
-    level), `BANK_PROBE_DRAWS` x tasks_per_tier more draws count its distinct prompts, and at
-    most half of them are held out; otherwise training could never reach the tier."""
+    A generated tier whose draws (20 per wanted task) gave fewer distinct prompts than wanted
+    has a small bank, such as a procedural family's easiest level: half of what they found is
+    held out, the rest left to training, which could otherwise never reach the tier. (No
+    extra draws to size a bank: some generators take minutes on a rare item.)"""
     out: dict[str, list[TaskSpec]] = {}
     for name in domains:
         domain = registry.get(name)
@@ -92,37 +92,20 @@ def build_heldout(
             cap = domain.tiers[tier].max_heldout
             want = min(config.tasks_per_tier, cap) if cap else config.tasks_per_tier
             held: list[TaskSpec] = []
-            draws = 0
             for _ in range(want * 20):
                 if len(held) >= want:
                     break
-                draws += 1
                 task = domain.sample_task(rng, tier)
                 fp = fingerprint(task.prompt)
                 if fp in seen:
                     continue
                 seen.add(fp)
                 held.append(msgspec.structs.replace(task, task_id=f"heldout-{task.task_id}"))
-            if draws > len(held):  # repeats: is the tier's bank small?
-                bank = tier_bank_size(domain, tier, BANK_PROBE_DRAWS * want, held)
-                del held[bank // 2 :]
+            if len(held) < want:  # the draws found the whole bank, or nearly
+                del held[len(held) // 2 :]
             tasks += held
         out[name] = tasks
     return out
-
-
-BANK_PROBE_DRAWS = 4
-"""Draws per held-out task that count a tier's distinct prompts once its held-out draws met
-repeats; a tier with fewer distinct prompts than twice its held-out count is a small bank."""
-
-
-def tier_bank_size(domain: Any, tier: int, draws: int, known: Sequence[TaskSpec]) -> int:
-    """Distinct prompts among `known` and `draws` fresh draws of `tier` (its own seed, so the
-    held-out draws themselves don't change)."""
-    rng = random.Random(f"bank:{domain.name}:{tier}")
-    fps = {fingerprint(t.prompt) for t in known}
-    fps |= {fingerprint(domain.sample_task(rng, tier).prompt) for _ in range(draws)}
-    return len(fps)
 
 
 def modal_references(domain: Any, tiers: Iterable[int], *, draws: int = 64,
