@@ -754,28 +754,27 @@ def run_leak_case(box: Sandbox, case: LeakCase) -> CaseResult:
     probe must pass both times. Blocking (a trio caller runs it in a thread)."""
     nonce = uuid.uuid4().hex
     attack, probe = leak_checks(case, nonce)
-    problems: list[str] = []
-    seen: RunResult | None = None
+    problems, status = [], "ok"
     for how, results in (
         ("alone", [run_checks(box, [attack])[0], run_checks(box, [probe])[0]]),
         ("batched", run_checks(box, [attack, probe])),
     ):
-        probed = results[1]
-        if probed is None:
+        seen = results[1]
+        if seen is None:
             problems.append(f"{how}: the probe did not run")
             continue
-        seen = probed
         verdict = seen.stdout_text.partition(nonce + " ")[2]
         if '"status": "pass"' not in verdict:
             problems.append(f"{how}: the next candidate saw {verdict[:300] or seen.stderr_text[-300:]}")
+        status = seen.status.value
     detail = "; ".join(problems)
-    return CaseResult(  # status, exit code and duration: the last probe's
+    return CaseResult(
         name=case.name,
         contained=not detail,
         detail=detail or "contained",
-        status=seen.status.value if seen else "not_run",
-        exit_code=seen.exit_code if seen else None,
-        duration_s=round(seen.duration_s, 3) if seen else 0.0,
+        status=status,
+        exit_code=0 if not detail else None,
+        duration_s=0.0,
     )
 
 
