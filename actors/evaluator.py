@@ -83,6 +83,10 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """Evaluate versions that are multiples of this."""
     server_url: str = ""
     """A rollout server for the evaluator alone; "" = start one on the first version."""
+    model_path: str = ""
+    """The run's starting model: the evaluator's server starts from it and each version is
+    then loaded into it, so no version can be pruned while the server starts ("" = start
+    from the first version scored)."""
     server_args: list[str] = []
     server_start_timeout_s: float = 300.0
     request_timeout_s: float = 600.0
@@ -353,6 +357,7 @@ class Evaluator(Actor):
             Path(cfg.state_file) if cfg.state_file else run_dir / "evaluator_state.json"
         )
         self.state = load_evaluator_state(self.state_path)
+        self.serving = trio.Lock()  # one start or load of the eval server at a time
         self.server: Any = None
         self.client: Any = None
         self.tokenizer: Any = None
@@ -396,7 +401,23 @@ class Evaluator(Actor):
         return out
 
     async def main(self) -> None:
-        """Hold a sandbox pool while any evaluated domain verifies in one."""
+        """Start the eval server from the starting model right away (when it is known), and
+        hold a sandbox pool while any evaluated domain verifies in one."""
+        cfg: EvaluatorConfig = self.config
+        async with trio.open_nursery() as nursery:
+            if cfg.model_path and not cfg.server_url:
+                nursery.start_soon(self._warm_up)
+            await self._hold_sandbox()
+
+    async def _warm_up(self) -> None:
+        try:
+            async with self.serving:
+                await self._ensure_server(self.config.model_path, None)
+        except Exception as exc:  # noqa: BLE001 - the first version to score tries again
+            print(f"evaluator: the eval server did not start ({exc}); the first version to "
+                  "score starts it", file=sys.stderr, flush=True)
+
+    async def _hold_sandbox(self) -> None:
         needs = [d for d, dom in self.domains.items() if dom.resource == "sandbox"]
         if not needs:
             return
@@ -491,34 +512,67 @@ class Evaluator(Actor):
         self.state.rolled_back.append(msg.version)
 
     async def source_for(self, msg: WeightsPublished) -> CompletionSource:
-        """A completion source serving `msg.version` (starts/loads the eval server)."""
-        from reinforge.rollout.client import RolloutClient
-        from reinforge.rollout.server import ServerProcess, ServerSpec
-
+        """A completion source serving `msg.version`: starts the eval server on first use,
+        then loads the version into it. A version pruned before or while it loads (a slow
+        server start lets the learner move on by many versions) raises VersionGone."""
         cfg: EvaluatorConfig = self.config
+        gone = VersionGone(f"v{msg.version} skipped: {msg.path} is gone (set the learner's "
+                           "keep_every to the evaluator's every_versions)")
         if not Path(msg.path).is_dir():
-            raise VersionGone(f"v{msg.version} skipped: {msg.path} is gone (set the learner's "
-                              "keep_every to the evaluator's every_versions)")
-        if self.client is None:
-            url = cfg.server_url
-            if not url:
-                scfg = ServerSpec(model_path=msg.path, initial_version=msg.version,
-                                   server_args=list(cfg.server_args))
-                log = Path(tempfile.mkdtemp(prefix="rf-eval-")) / "server.log"
-                self.server = ServerProcess(scfg, log)
-                self.server.start()
-                with self.ctx.waiting("eval rollout server start",
-                                      deadline_s=cfg.server_start_timeout_s):
-                    url = await self.server.wait_url(cfg.server_start_timeout_s)
-                self.served_version = msg.version
-            self.client = RolloutClient(url, timeout_s=cfg.request_timeout_s)
-            self.tokenizer = await trio.to_thread.run_sync(load_tokenizer, msg.path)
-        if self.served_version != msg.version:
-            with self.ctx.waiting(f"loading version {msg.version}", deadline_s=600):
-                await self.client.update_weights_from_disk(msg.path,
-                                                           weight_version=str(msg.version))
-            self.served_version = msg.version
+            raise gone
+        try:
+            await self._serve(msg)
+        except Exception as exc:
+            if Path(msg.path).is_dir():
+                raise
+            raise gone from exc
         return ServerSource(self.client, self.tokenizer, max_new_tokens=cfg.max_new_tokens,
                             temperature=cfg.eval_temperature, top_p=cfg.top_p,
                             chat_template=cfg.chat_template)
+
+    async def _serve(self, msg: WeightsPublished) -> None:
+        cfg: EvaluatorConfig = self.config
+        async with self.serving:
+            if cfg.model_path:
+                await self._ensure_server(cfg.model_path, None)
+            else:
+                await self._ensure_server(msg.path, msg.version)
+            if self.served_version != msg.version:
+                self.served_version = None  # a failed load leaves no version known served
+                with self.ctx.waiting(f"loading version {msg.version}", deadline_s=600):
+                    await self.client.update_weights_from_disk(
+                        msg.path, weight_version=str(msg.version))
+                self.served_version = msg.version
+
+    async def _ensure_server(self, model_path: str, version: int | None) -> None:
+        """The tokenizer (every version of a run shares it) and a client of the eval server,
+        starting the server from `model_path` (serving `version`) unless it runs."""
+        from reinforge.rollout.client import RolloutClient
+
+        cfg: EvaluatorConfig = self.config
+        if self.tokenizer is None:
+            self.tokenizer = await trio.to_thread.run_sync(load_tokenizer, model_path)
+        if self.client is None:
+            url = cfg.server_url or await self._start_server(model_path, version)
+            self.client = RolloutClient(url, timeout_s=cfg.request_timeout_s)
+
+    async def _start_server(self, model_path: str, version: int | None) -> str:
+        """Start the evaluator's own rollout server from `model_path`; returns its URL."""
+        from reinforge.rollout.server import ServerProcess, ServerSpec
+
+        cfg: EvaluatorConfig = self.config
+        spec = ServerSpec(model_path=model_path, initial_version=version or 0,
+                          server_args=list(cfg.server_args))
+        server = ServerProcess(spec, Path(tempfile.mkdtemp(prefix="rf-eval-")) / "server.log")
+        server.start()
+        try:
+            with self.ctx.waiting("eval rollout server start",
+                                  deadline_s=cfg.server_start_timeout_s):
+                url = await server.wait_url(cfg.server_start_timeout_s)
+        except BaseException:
+            with trio.CancelScope(shield=True):  # no server outlives a failed start
+                await trio.to_thread.run_sync(server.stop)
+            raise
+        self.server, self.served_version = server, version
+        return url
 

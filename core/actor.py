@@ -26,6 +26,7 @@ import math
 import os
 import signal
 import socket
+import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -560,6 +561,9 @@ class _Runner:
         except Exception as exc:  # noqa: BLE001 - a failing handler must not kill the actor
             ctx.counts["handler_errors"] += 1
             reason = f"handler error: {type(exc).__name__}: {exc}"
+            # the actor's log says why a message came back (it is retried or dead-lettered)
+            print(f"{ctx.actor_id}: {d.subject} (delivery {d.num_delivered} of "
+                  f"{inp.max_deliver}): {reason}", file=sys.stderr, flush=True)
             if d.num_delivered >= inp.max_deliver:
                 await ctx.dead_letter(
                     d.subject, d.data, f"{reason} (after {d.num_delivered} deliveries)",

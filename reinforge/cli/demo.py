@@ -175,7 +175,7 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
     evaluator = "" if guard is None else f"""
 [[actors]]
 spec = "reinforge.actors.evaluator:Evaluator"
-config = {{ domains = [{dlist}], k = 2, every_versions = {args.guard_every}, score_per_tier = {GUARD_TASKS_PER_TIER}, thresholds = {{ {", ".join(f"{json.dumps(d)} = {v:.4f}" for d, v in guard.items())} }}, max_new_tokens = {MAX_NEW_TOKENS}, concurrency = 2, sandbox_pool_size = 1, domains_per_version = {guard_rotation}{suite_overlap} }}
+config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], k = 2, every_versions = {args.guard_every}, score_per_tier = {GUARD_TASKS_PER_TIER}, thresholds = {{ {", ".join(f"{json.dumps(d)} = {v:.4f}" for d, v in guard.items())} }}, max_new_tokens = {MAX_NEW_TOKENS}, concurrency = 2, sandbox_pool_size = 1, domains_per_version = {guard_rotation}{suite_overlap} }}
 """
     held = f"tasks_per_tier = {heldout_per_tier}" + (
         f", tiers = {json.dumps(heldout_tiers)}" if heldout_tiers else "")

@@ -411,6 +411,70 @@ def test_a_version_pruned_before_its_turn_is_skipped_and_counted_not_retried(
     assert skipped["evaluated_versions"] == 0.0  # no server was started for it
 
 
+def _prune_v1_while_the_eval_server_starts(creds, run_name, tmp_path, model_dir, **config):
+    """Publish version 1; delete its checkpoint as soon as the evaluator says it is starting
+    its server (what the learner's pruning does on a busy CPU), then publish version 2.
+    Returns the evaluator's state file and its last heartbeat, once both are settled."""
+    import shutil
+
+    paths = {v: tmp_path / f"v{v}" for v in (1, 2)}
+    for path in paths.values():
+        shutil.copytree(model_dir, path)
+    cfg = EvaluatorConfig(domains=["math"], k=1, heldout=HELD, every_versions=1,
+                          score_per_tier=1, max_new_tokens=8,
+                          state_file=str(tmp_path / "ev.json"), **config)
+
+    def publish(bus, v):
+        return bus.publish_durable(subjects.weights(run_name), m.WeightsPublished(
+            version=v, path=str(paths[v]), step=v), msg_id=f"weights:{v}")
+
+    async def main():
+        async with open_bus(creds) as bus:
+            await bus.ensure_run_stream(run_name)
+            async with trio.open_nursery() as nursery, \
+                    bus.subscribe(subjects.heartbeat(run_name, "*")) as beats:
+                ctx = await nursery.start(functools.partial(
+                    run_actor, Evaluator, creds=creds, run=run_name, config=cfg,
+                    runtime=RuntimeConfig(heartbeat_s=0.2)))
+                await publish(bus, 1)
+                with trio.fail_after(240):
+                    async for batch in beats:
+                        beat = m.decode(batch[-1].data)
+                        if beat.waiting_on == "eval rollout server start" and paths[1].exists():
+                            shutil.rmtree(paths[1])
+                            await publish(bus, 2)
+                        settled = (beat.figures.get("evaluated_versions", 0)
+                                   + beat.figures.get("skipped_versions", 0))
+                        if settled == 2:
+                            break
+                ctx.stop_requested.set()  # a clean stop: its teardown stops the eval server
+        return beat
+
+    beat = trio.run(main)
+    return json.loads((tmp_path / "ev.json").read_text()), beat, paths
+
+
+@pytest.mark.nats
+def test_an_eval_server_started_from_the_starting_model_outlives_a_version_pruned_meanwhile(
+        creds, run_name, tmp_path, tiny_model_dir):
+    state, beat, paths = _prune_v1_while_the_eval_server_starts(
+        creds, run_name, tmp_path, tiny_model_dir, model_path=str(tiny_model_dir))
+    assert state["evaluated"] == [f"2:{paths[2]}"]
+    assert beat.figures["skipped_versions"] == 1.0
+    assert beat.dead_letters == 0
+
+
+@pytest.mark.nats
+def test_a_version_pruned_while_the_eval_server_starts_from_it_leaves_the_next_one_scored(
+        creds, run_name, tmp_path, tiny_model_dir):
+    # the server may have read version 1 before it vanished (then it is scored) or not (then
+    # it is skipped); either way the evaluator keeps a tokenizer and scores version 2
+    state, beat, paths = _prune_v1_while_the_eval_server_starts(
+        creds, run_name, tmp_path, tiny_model_dir)
+    assert state["evaluated"][-1] == f"2:{paths[2]}"
+    assert beat.dead_letters == 0
+
+
 def test_scoring_the_first_n_per_tier_is_the_held_out_set_of_n_per_tier():
     """The guard scores a subset of the run's held-out sets: exactly the smaller set."""
     from reinforge.actors.evaluator import first_per_tier
