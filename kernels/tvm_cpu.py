@@ -328,6 +328,17 @@ def _pmaddwd(a, b, lanes: int = 16):
     return T.call_llvm_pure_intrin(f"int32x{lanes}", PMADDWD[lanes], a, b)
 
 
+def _pair_dots(flat, offset, pair, lanes: int):
+    """`lanes` int32 dot products: the int8 pairs at flat[offset : offset + 2 * lanes] (widened
+    to int16) with one int16 pair, `pair` (packed in an int32), broadcast to every lane."""
+    i16 = f"int16x{2 * lanes}"
+    return _pmaddwd(
+        T.Cast(i16, flat[T.ramp(offset, 1, 2 * lanes)]),
+        T.reinterpret(i16, T.broadcast(pair, lanes)),
+        lanes,
+    )
+
+
 def make_decode_int8_avx512(
     num_q_heads: int,
     num_kv_heads: int,
@@ -366,7 +377,6 @@ def make_decode_int8_avx512(
     KU = max(1, 4 // G)  # independent K accumulators per query head
     assert lanes in PMADDWD
     L, HALVES = lanes, 16 // lanes
-    I16 = f"int16x{2 * lanes}"
 
     @T.prim_func
     def decode_int8(
@@ -467,18 +477,10 @@ def make_decode_int8_avx512(
                                 for hf in T.unroll(HALVES):
                                     si[g, u, T.ramp(hf * L, 1, L)] = si[
                                         g, u, T.ramp(hf * L, 1, L)
-                                    ] + _pmaddwd(
-                                        T.Cast(
-                                            I16,
-                                            kflat[
-                                                T.ramp(
-                                                    base + (dq * KU + u) * 32 + hf * 2 * L, 1, 2 * L
-                                                )
-                                            ],
-                                        ),
-                                        T.reinterpret(
-                                            I16, T.broadcast(qp[hh * G + g, dq * KU + u], L)
-                                        ),
+                                    ] + _pair_dots(
+                                        kflat,
+                                        base + (dq * KU + u) * 32 + hf * 2 * L,
+                                        qp[hh * G + g, dq * KU + u],
                                         L,
                                     )
                     for g in T.serial(G):
@@ -540,19 +542,8 @@ def make_decode_int8_avx512(
                                 for hf in T.unroll(HALVES):
                                     vi[g, c, T.ramp(hf * L, 1, L)] = vi[
                                         g, c, T.ramp(hf * L, 1, L)
-                                    ] + _pmaddwd(
-                                        T.Cast(
-                                            I16,
-                                            vflat[
-                                                T.ramp(
-                                                    base + tp * (D * 2) + c * 32 + hf * 2 * L,
-                                                    1,
-                                                    2 * L,
-                                                )
-                                            ],
-                                        ),
-                                        T.reinterpret(I16, T.broadcast(pp[g, tp], L)),
-                                        L,
+                                    ] + _pair_dots(
+                                        vflat, base + tp * (D * 2) + c * 32 + hf * 2 * L, pp[g, tp], L
                                     )
                     for g in T.serial(G):
                         for d in T.vectorized(D):
