@@ -347,7 +347,6 @@ class SandboxPool:
                 continue
             batch = [slot]
             checks = isinstance(slot.job, Check)
-            budget = 0 if checks else MAX_INLINE_BYTES - inline_size(slot.job)
             if checks:
                 while len(batch) < self.config.max_batch:
                     try:
@@ -357,6 +356,7 @@ class SandboxPool:
                     if not more.abandoned:
                         (batch if isinstance(more.job, Check) else carry).append(more)
             elif can_batch(box) and _small(slot.job):
+                budget = MAX_INLINE_BYTES - inline_size(slot.job)
                 while len(batch) < self.config.max_batch:
                     try:
                         more = self._queue_recv.receive_nowait()

@@ -754,27 +754,28 @@ def run_leak_case(box: Sandbox, case: LeakCase) -> CaseResult:
     probe must pass both times. Blocking (a trio caller runs it in a thread)."""
     nonce = uuid.uuid4().hex
     attack, probe = leak_checks(case, nonce)
-    problems, status = [], "ok"
+    problems: list[str] = []
+    seen: RunResult | None = None
     for how, results in (
         ("alone", [run_checks(box, [attack])[0], run_checks(box, [probe])[0]]),
         ("batched", run_checks(box, [attack, probe])),
     ):
-        seen = results[1]
-        if seen is None:
+        probed = results[1]
+        if probed is None:
             problems.append(f"{how}: the probe did not run")
             continue
+        seen = probed
         verdict = seen.stdout_text.partition(nonce + " ")[2]
         if '"status": "pass"' not in verdict:
             problems.append(f"{how}: the next candidate saw {verdict[:300] or seen.stderr_text[-300:]}")
-        status = seen.status.value
     detail = "; ".join(problems)
-    return CaseResult(
+    return CaseResult(  # status, exit code and duration: the last probe's
         name=case.name,
         contained=not detail,
         detail=detail or "contained",
-        status=status,
-        exit_code=0 if not detail else None,
-        duration_s=0.0,
+        status=seen.status.value if seen else "not_run",
+        exit_code=seen.exit_code if seen else None,
+        duration_s=round(seen.duration_s, 3) if seen else 0.0,
     )
 
 

@@ -95,7 +95,8 @@ def run_checks(box: Sandbox, checks: list[Check]) -> list[RunResult | None]:
             results.append(box.run_task(job.files, job.argv, stdin=job.stdin, timeout_s=timeout_s))
             continue
         zygote = box.zygote
-        if zygote is None or zygote.fingerprint != Zygote.fingerprint_of(box, check.harness):
+        # a box's config is fixed: the harness alone decides whether the zygote fits
+        if zygote is None or zygote.harness != check.harness:
             box.end_zygote()
             if box.dirty:
                 box.reset()  # no leftover process of the candidate may watch the zygote start
@@ -107,9 +108,10 @@ def run_checks(box: Sandbox, checks: list[Check]) -> list[RunResult | None]:
 class Zygote:
     """One sandbox's zygote session (see the module docstring). Not thread-safe."""
 
-    def __init__(self, box: Sandbox, sock: socket.socket, fingerprint: str) -> None:
+    def __init__(self, box: Sandbox, sock: socket.socket, harness: bytes) -> None:
         self.box = box
-        self.fingerprint = fingerprint
+        self.harness = harness
+        self.fingerprint = self.fingerprint_of(box, harness)
         self.checks = 0
         self._sock = sock
         self._stdout = bytearray()
@@ -151,7 +153,7 @@ class Zygote:
             sock = _upgrade(
                 box.config.podman_url or default_podman_url(), exec_id, box.config.api_timeout_s
             )
-            zygote = cls(box, sock, cls.fingerprint_of(box, harness))
+            zygote = cls(box, sock, harness)
             zygote._send(config)
             ready = json.loads(zygote._read_frame(time.monotonic() + box.config.api_timeout_s))
         except (OSError, ValueError, EOFError, TimeoutError) as exc:
