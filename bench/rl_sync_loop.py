@@ -127,14 +127,21 @@ class CpuMeter:
     def start(self) -> None:
         self.t0 = psutil.cpu_times()
 
-    def busy_share(self) -> float:
+    def _busy_total_s(self) -> tuple[float, float]:
         t1 = psutil.cpu_times()
         # on Linux guest time is already inside user time
         delta = {k: getattr(t1, k) - getattr(self.t0, k) for k in t1._fields
                  if k not in ("guest", "guest_nice")}
         total = sum(delta.values())
-        idle = delta["idle"] + delta.get("iowait", 0.0)
-        return 1.0 - idle / total if total > 0 else 0.0
+        return total - delta["idle"] - delta.get("iowait", 0.0), total
+
+    def busy_s(self) -> float:
+        """CPU seconds spent since `start`, by every process on every core."""
+        return self._busy_total_s()[0]
+
+    def busy_share(self) -> float:
+        busy, total = self._busy_total_s()
+        return busy / total if total > 0 else 0.0
 
 
 class Window:

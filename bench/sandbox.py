@@ -32,13 +32,15 @@ import sys
 import tempfile
 import time
 
-import psutil
 import trio
 
 from reinforge.envs.domains.code import HARNESS_PATH, CodeDomain
 from reinforge.envs.sandbox.box import DEFAULT_IMAGE, default_podman_url, make_tar
 from reinforge.envs.sandbox.pool import InfraFailure, Job, PoolConfig, SandboxPool
 from reinforge.envs.sandbox.zygote import Check
+
+sys.path.insert(0, os.path.dirname(__file__))  # bench/ is not a package
+from rl_sync_loop import CpuMeter  # noqa: E402
 
 TESTS = """import unittest
 from sol import solve
@@ -252,11 +254,6 @@ async def via_podman_run(check: Check, *, url: str, image: str) -> bytes:
     return await trio.to_thread.run_sync(go)
 
 
-def busy_cpu_s() -> float:
-    t = psutil.cpu_times()
-    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
-
-
 async def bench_checks(n_checks: int, concurrency: int, rounds: int) -> dict:
     """The three ways of running a code check, in interleaved rounds."""
     checks, nonces, expected = make_checks(n_checks)
@@ -291,10 +288,10 @@ async def bench_checks(n_checks: int, concurrency: int, rounds: int) -> dict:
             part = checks[start : start + share]
             for way in ways:
                 limit = concurrency if way == "podman_run" else len(part)
-                c0, t0 = busy_cpu_s(), time.perf_counter()
+                meter, t0 = CpuMeter(), time.perf_counter()
                 got[way] += await run_all(fns[way], part, limit)
                 spent[way] += time.perf_counter() - t0
-                cpu[way] += busy_cpu_s() - c0
+                cpu[way] += meter.busy_s()
     want = list(expected)
     for way in ways:
         seen = [verdict(out, nonce) for out, nonce in zip(got[way], nonces, strict=True)]
