@@ -10,6 +10,15 @@ transformers' greedy `generate` (per prompt, unpadded): the fraction of generate
 up to the first divergence, for a float32 cache (`greedy_match_fp`) and int8 (`greedy_match_int8`),
 plus the largest logprob error over agreeing tokens.
 
+Prefix-heavy lines (`prefix_cache`), each run with the prefix cache on and off on one int8
+engine, interleaved, median of the repeats:
+  * `grpo_group_8`: 8 prompts, each sent as 8 requests of n=1 that arrive one engine step
+    apart (a client's GRPO group), 32 new tokens each;
+  * `episode_10_turns`: 8 episodes of 10 turns, advanced together: each turn's prompt is the
+    last turn's prompt, its output and a new 24-token message, 32 new tokens each.
+The headline comparison with transformers runs without the prefix cache (each repeat sends
+the same prompts again, which the cache would turn into a different workload).
+
 Prints ONE JSON object as its last line (`--json` prints only that).
 """
 
@@ -60,6 +69,81 @@ def run_engine(engine, prompts, params) -> tuple[float, dict]:
     t0 = time.perf_counter()
     engine.run_until_idle()
     return time.perf_counter() - t0, results
+
+
+def grpo_groups(engine, prompts, group: int, params) -> tuple[float, int]:
+    """Each prompt sent as `group` requests of n=1, one engine step apart; returns the wall
+    time and the generated tokens."""
+    from reinforge.engine.engine import Group, Sequence
+
+    done: list = []
+    t0 = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        for j in range(group):
+            seq = Sequence(rid=f"g{i}-{j}", index=j, prompt_ids=ids, params=params,
+                           sink=lambda u: u.finish_reason is not None and done.append(u))
+            engine.submit(Group(prompt_ids=ids, seqs=[seq]))
+            engine.step()
+    engine.run_until_idle()
+    return time.perf_counter() - t0, sum(len(u.output_ids) for u in done)
+
+
+def episodes(engine, openings, turns: int, message: list[int], params) -> tuple[float, int]:
+    """Multi-turn episodes advanced together: each turn resends the whole history, then the
+    output and a new message join it. Returns the wall time and the generated tokens."""
+    from reinforge.engine.engine import Group, Sequence
+
+    histories = [list(o) for o in openings]
+    generated = 0
+    t0 = time.perf_counter()
+    for _ in range(turns):
+        outs: dict = {}
+        for i, ids in enumerate(histories):
+            seq = Sequence(
+                rid=f"e{i}", index=i, prompt_ids=ids, params=params,
+                sink=lambda u: u.finish_reason is not None and outs.__setitem__(u.index, u))
+            engine.submit(Group(prompt_ids=ids, seqs=[seq]))
+        engine.run_until_idle()
+        for i, u in outs.items():
+            histories[i] = histories[i] + u.output_ids + message
+            generated += len(u.output_ids)
+    return time.perf_counter() - t0, generated
+
+
+def prefix_lines(model, prompts, repeats: int, kernel_backend: str, say) -> dict:
+    """Tokens/s with and without the prefix cache on the prefix-heavy workloads."""
+    from reinforge.engine.engine import Engine, EngineConfig
+    from reinforge.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=32, temperature=1.0, ignore_eos=True)
+    message = [(17 * k) % 500 + 10 for k in range(24)]
+    workloads = {
+        "grpo_group_8": lambda e: grpo_groups(e, prompts[:8], 8, params),
+        "episode_10_turns": lambda e: episodes(e, prompts[:8], 10, message, params),
+    }
+    out = {}
+    for name, work in workloads.items():
+        tps: dict[str, list[float]] = {"cache": [], "no_cache": []}
+        prefilled: dict[str, int] = {}
+        for r in range(repeats):
+            for mode in ("cache", "no_cache"):
+                engine = Engine(model, EngineConfig(
+                    kv_cache_dtype="int8", kernel_backend=kernel_backend, max_total_tokens=65536,
+                    prefix_cache=mode == "cache"))
+                dt, tokens = work(engine)
+                tps[mode].append(tokens / dt)
+                prefilled[mode] = engine.statistics().prompt_tokens
+            say(f"{name} run {r}: cache {tps['cache'][-1]:.0f} tok/s, "
+                f"no cache {tps['no_cache'][-1]:.0f} tok/s")
+        ratios = [a / b for a, b in zip(tps["cache"], tps["no_cache"])]
+        out[name] = {
+            "tokens_per_s_cache": round(statistics.median(tps["cache"]), 1),
+            "tokens_per_s_no_cache": round(statistics.median(tps["no_cache"]), 1),
+            "cache_speedup": round(statistics.median(ratios), 2),
+            "prefilled_tokens_cache": prefilled["cache"],
+            "prefilled_tokens_no_cache": prefilled["no_cache"],
+        }
+    return out
 
 
 def greedy_agreement(engine, hf, prompts, max_new: int) -> tuple[float, float]:
@@ -143,7 +227,8 @@ def main() -> int:
     engine = Engine(
         model,
         EngineConfig(
-            kv_cache_dtype="int8", kernel_backend=args.kernel_backend, max_total_tokens=capacity
+            kv_cache_dtype="int8", kernel_backend=args.kernel_backend, max_total_tokens=capacity,
+            prefix_cache=False,
         ),
     )
     # transformers: one padded batch, left padding, num_return_sequences=n.
@@ -188,7 +273,9 @@ def main() -> int:
             f"({total_new / hf_dt:.0f} tok/s), ratio {hf_dt / dt:.2f}"
         )
 
-    fp_engine = Engine(model, EngineConfig(kv_cache_dtype="float32", max_total_tokens=capacity))
+    fp_engine = Engine(model, EngineConfig(kv_cache_dtype="float32", max_total_tokens=capacity,
+                                           prefix_cache=False))
+    prefix = prefix_lines(model, prompts, args.repeats, args.kernel_backend, say)
     greedy_fp, err_fp = greedy_agreement(fp_engine, hf, prompts, args.greedy_tokens)
     greedy_i8, err_i8 = greedy_agreement(engine, hf, prompts, args.greedy_tokens)
     engine_tps = total_new / statistics.median(engine_times)
@@ -217,6 +304,7 @@ def main() -> int:
         "greedy_match_int8": round(greedy_i8, 4),
         "max_logprob_err_fp": err_fp,
         "max_logprob_err_int8": err_i8,
+        "prefix_cache": prefix,
         "torch_threads": torch.get_num_threads(),
     }
     print(json.dumps(result))

@@ -6,13 +6,16 @@ token per step) -> FINISHED (blocks released, final update sent). Every step:
   2. if a weight swap is pending and nothing runs, swap (queued requests stay queued);
   3. unless a swap is pending, admit waiting groups in arrival order while the pool has the
      blocks for their worst case (prompt + max_new_tokens for each of the n samples, the
-     prompt's full blocks shared among them); a group that does not fit waits (never crash);
-  4. prefill each admitted group once and sample each of its n first tokens;
+     prompt's full blocks shared among them, those the prefix cache holds reused); the
+     prefix cache gives back its least recently used pages when blocks run short; a group
+     that does not fit waits (never crash);
+  4. prefill each admitted group once, from the end of its cached prefix, and sample each
+     of its n first tokens;
   5. decode one token for every running sequence in one batch, attention through the
      paged-KV ops.
 Invariants: a sequence's tokens all come from one weight version (swaps wait for an empty
-batch); blocks are reserved for the worst case at admission, so a running sequence never
-waits for memory and nothing is ever preempted.
+batch, and flush the prefix cache); blocks are reserved for the worst case at admission, so
+a running sequence never waits for memory and nothing is ever preempted.
 
 Updates go to each sequence's `sink`, called on the engine thread: the HTTP layer hops them
 onto its event loop.
@@ -35,6 +38,7 @@ import msgspec
 import torch
 from reinforge.engine.kvpool import KVPool, KVPoolStats
 from reinforge.engine.model import Model, Weights
+from reinforge.engine.prefix_cache import PrefixCache
 from reinforge.engine.sampling import (
     GREEDY_TEMPERATURE,
     TOP_K_ALL,
@@ -68,6 +72,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     context_length: int | None = None
     """Prompt + generated tokens at most per sequence (default: the model's max positions)."""
     weight_version: str = "default"
+    prefix_cache: bool = True
+    """Reuse the full KV pages of earlier requests whose tokens a new prompt starts with
+    (`prefix_cache.py`); False prefills every prompt whole (SGLang's --disable-radix-cache)."""
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in ("auto", "int8", "int4", "float32", "bfloat16"):
@@ -150,6 +157,8 @@ class Group:
 
     prompt_ids: list[int]
     seqs: list[Sequence]
+    start: int = 0
+    """Prompt tokens whose KV came from the prefix cache (set at admission)."""
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -162,6 +171,7 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int
     cached_tokens: int
     weight_version: str
+    prefix_cache_pages: int
     kv: KVPoolStats
 
 
@@ -187,6 +197,7 @@ class Engine:
             backend=config.kernel_backend,
             num_threads=config.kernel_threads,
         )
+        self.prefix_cache = PrefixCache(self.pool) if config.prefix_cache else None
         self.eos_token_ids = frozenset(eos_token_ids or mc.eos_token_ids)
         self.weight_version = config.weight_version
         self._cond = threading.Condition()
@@ -194,6 +205,7 @@ class Engine:
         self._running: list[Sequence] = []
         self._aborts: list[tuple[str, bool, bool]] = []
         self._swap: tuple[Weights, str, Future] | None = None
+        self._flushes: list[Future] = []
         self._stop = False
         self._steps = 0
         self._generated = 0
@@ -244,6 +256,14 @@ class Engine:
             self._cond.notify()
         return fut
 
+    def flush_cache(self) -> Future:
+        """Drop the prefix cache once no sequence runs; resolves to the pages dropped."""
+        fut: Future = Future()
+        with self._cond:
+            self._flushes.append(fut)
+            self._cond.notify()
+        return fut
+
     def is_idle(self) -> bool:
         with self._cond:
             return not self._waiting and not self._running and self._swap is None
@@ -266,6 +286,7 @@ class Engine:
                 prompt_tokens=self._prompt_tokens,
                 cached_tokens=self._cached,
                 weight_version=self.weight_version,
+                prefix_cache_pages=self.prefix_cache.num_pages if self.prefix_cache else 0,
                 kv=self.pool.statistics(),
             )
 
@@ -277,7 +298,8 @@ class Engine:
             while True:
                 with self._cond:
                     while not (
-                        self._stop or self._waiting or self._running or self._aborts or self._swap
+                        self._stop or self._waiting or self._running or self._aborts
+                        or self._swap or self._flushes
                     ):
                         self._cond.wait()
                     if self._stop:
@@ -306,11 +328,12 @@ class Engine:
                 for seq in group.seqs:
                     self._finish(seq, reason)
             self._waiting.clear()
+            self._flush_prefix_cache()  # a step failed part-way: trust no cached page
 
     def run_until_idle(self) -> None:
         """Step until nothing is queued or running (for tests and benchmarks, same thread)."""
         with torch.inference_mode():
-            while not self.is_idle() or self._aborts:
+            while not self.is_idle() or self._aborts or self._flushes:
                 self.step()
 
     def step(self) -> None:
@@ -323,7 +346,13 @@ class Engine:
                 self.model.weights = weights
                 self.weight_version = version
                 self._swap = None
+                self._flush_prefix_cache()  # its KV came from the old weights
                 fut.set_result(version)
+            if self._flushes and not self._running:
+                dropped = self._flush_prefix_cache()
+                for fut in self._flushes:
+                    fut.set_result(dropped)
+                self._flushes = []
             admitted = self._admit() if self._swap is None else []
         self._admitting = admitted
         if admitted:
@@ -334,9 +363,18 @@ class Engine:
 
     # ------------------------------------------------------------------ internals
 
+    def _flush_prefix_cache(self) -> int:
+        return self.prefix_cache.flush() if self.prefix_cache is not None else 0
+
     def _finish(self, seq: Sequence, reason: dict[str, Any]) -> None:
         seq.finish_reason = reason
         if seq.state is SeqState.RUNNING:
+            if self.prefix_cache is not None and reason["type"] in ("stop", "length"):
+                # a later turn resends prompt + output: cache their full pages (the last
+                # output token's KV was never written)
+                tokens = seq.prompt_ids + seq.output_ids
+                pages = (len(tokens) - 1) // self.config.block_size
+                self.prefix_cache.insert(tokens, seq.blocks, pages)
             self.pool.release(seq.blocks)
             seq.blocks = []
         seq.state = SeqState.FINISHED
@@ -381,37 +419,54 @@ class Engine:
     def _admit(self) -> list[Group]:
         admitted: list[Group] = []
         running = len(self._running)
+        bs = self.config.block_size
         while self._waiting:
             group = self._waiting[0]
             n = len(group.seqs)
             if running + n > self.config.max_running_requests and running:
                 break
-            need = self.max_blocks_for(
-                len(group.prompt_ids), msgspec.structs.replace(group.seqs[0].params, n=n)
-            )
+            cached = self._cached_prefix(group)
+            p = len(group.prompt_ids)
+            per_seq = math.ceil(max(p + group.seqs[0].params.max_new_tokens, 1) / bs)
+            need = (p // bs - len(cached)) + n * (per_seq - p // bs)
+            if need > self.pool.num_free and self.prefix_cache is not None:
+                self.prefix_cache.evict(need - self.pool.num_free)
             if need > self.pool.num_free:
+                self.pool.release(cached)
                 break
             self._waiting.popleft()
-            self._reserve(group)
+            self._reserve(group, cached)
             admitted.append(group)
             running += n
         return admitted
 
-    def _reserve(self, group: Group) -> None:
-        """Give each sample its block table: shared full prompt blocks + its own blocks."""
+    def _cached_prefix(self, group: Group) -> list[int]:
+        """The prefix cache's blocks for the group's prompt, with a reference held (so no
+        eviction takes them); at least one prompt token is left to prefill (its logits
+        give the first sample). None when a sample wants its prompt's logprobs."""
+        if self.prefix_cache is None or any(s.logprob_start_len >= 0 for s in group.seqs):
+            return []
+        pages = (len(group.prompt_ids) - 1) // self.config.block_size
+        blocks = self.prefix_cache.match(group.prompt_ids, pages)
+        self.pool.share(blocks)
+        return blocks
+
+    def _reserve(self, group: Group, cached: list[int]) -> None:
+        """Give each sample its block table: the prompt's full pages (cached ones, then fresh
+        ones), shared by the n samples, then pages of its own for the tail and the output."""
         bs = self.config.block_size
         p = len(group.prompt_ids)
-        params = group.seqs[0].params
-        per_seq = math.ceil(max(p + params.max_new_tokens, 1) / bs)
-        shared_n = p // bs if len(group.seqs) > 1 else 0
-        shared = self.pool.allocate(shared_n)
+        per_seq = math.ceil(max(p + group.seqs[0].params.max_new_tokens, 1) / bs)
+        full = p // bs
+        shared = cached + self.pool.allocate(full - len(cached))
+        group.start = len(cached) * bs
         for j, seq in enumerate(group.seqs):
             if j > 0:
                 self.pool.share(shared)
-            seq.blocks = shared + self.pool.allocate(per_seq - shared_n)
+            seq.blocks = shared + self.pool.allocate(per_seq - full)
             seq.state = SeqState.RUNNING
             seq.weight_version = self.weight_version
-            seq.cached_tokens = shared_n * bs if j > 0 else 0
+            seq.cached_tokens = full * bs if j > 0 else group.start
 
     def _slots(self, seq: Sequence, positions: range) -> list[int]:
         bs = self.config.block_size
@@ -422,25 +477,39 @@ class Engine:
         chunk: list[Group] = []
         size = 0
         for group in groups:
-            if chunk and size + len(group.prompt_ids) > PREFILL_TOKENS:
+            todo = len(group.prompt_ids) - group.start
+            if chunk and size + todo > PREFILL_TOKENS:
                 self._prefill_chunk(chunk)
                 chunk, size = [], 0
             chunk.append(group)
-            size += len(group.prompt_ids)
+            size += todo
         if chunk:
             self._prefill_chunk(chunk)
 
     def _prefill_chunk(self, groups: list[Group]) -> None:
-        bs = self.config.block_size
-        prompts = [torch.tensor(g.prompt_ids, dtype=torch.int64) for g in groups]
+        bs, pool = self.config.block_size, self.pool
+        prompts = [torch.tensor(g.prompt_ids[g.start :], dtype=torch.int64) for g in groups]
         want = [any(s.logprob_start_len >= 0 for s in g.seqs) for g in groups]
-        logits, new_kv = self.model.prefill_batch(prompts, want)
         slot_list: list[int] = []
         for g in groups:
-            slot_list += self._slots(g.seqs[0], range(len(g.prompt_ids)))
+            slot_list += self._slots(g.seqs[0], range(g.start, len(g.prompt_ids)))
         slots = torch.tensor(slot_list, dtype=torch.int32)
-        for cache, (k, v) in zip(self.pool.caches, new_kv):
-            self.pool.ops.append(cache, k.contiguous(), v.contiguous(), slots)
+        tables = [
+            torch.tensor(g.seqs[0].blocks[: math.ceil(len(g.prompt_ids) / bs)], dtype=torch.int32)
+            for g in groups
+        ]
+
+        def store(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            # attention reads the prompt's KV as stored, as decode does, so a cached prefix
+            # gives the same first token as a fresh one
+            cache = pool.caches[layer]
+            pool.ops.append(cache, k.contiguous(), v.contiguous(), slots)
+            kv = [pool.ops.gather(cache, t, len(g.prompt_ids)) for g, t in zip(groups, tables)]
+            return torch.cat([k for k, _ in kv]), torch.cat([v for _, v in kv])
+
+        logits = self.model.prefill_batch(
+            prompts, want, starts=[g.start for g in groups], store=store
+        )
         seqs: list[Sequence] = []
         rows: list[torch.Tensor] = []
         for g, tokens, lg in zip(groups, prompts, logits):
@@ -448,8 +517,10 @@ class Engine:
             if p % bs and len(g.seqs) > 1:  # the prompt's tail page, copied for samples 1..n-1
                 tail = p // bs
                 self.pool.copy_block(g.seqs[0].blocks[tail], [s.blocks[tail] for s in g.seqs[1:]])
-            self._prompt_tokens += p
+            self._prompt_tokens += p - g.start
             self._cached += sum(s.cached_tokens for s in g.seqs)
+            if self.prefix_cache is not None:
+                self.prefix_cache.insert(g.prompt_ids, g.seqs[0].blocks, p // bs)
             for seq in g.seqs:
                 if seq.logprob_start_len >= 0:
                     seq.input_logprobs = self._input_logprobs(seq, tokens, lg)

@@ -1,7 +1,8 @@
 """The paged KV pool: one `PagedKVCache` per layer plus a reference-counted block allocator.
 
 A sequence owns an ordered list of block ids (its block-table row). Blocks holding only
-prompt tokens are shared by the `n` samples of one prompt (refcount > 1); the block that
+prompt tokens are shared by the `n` samples of one prompt (refcount > 1), and by the prefix
+cache (`prefix_cache.py`), which owns the full pages of earlier requests; the block that
 holds the prompt's tail is copied per sample (copy-on-write done eagerly at admission).
 Blocks return to the free list when their refcount reaches 0. Invariant: a block id is
 either free or has refcount >= 1, never both; `statistics()` reports the counts.
@@ -71,6 +72,10 @@ class KVPool:
         for b in out:
             self._refcount[b] = 1
         return out
+
+    def refcount(self, block: int) -> int:
+        """How many owners `block` has (0: free)."""
+        return self._refcount[block]
 
     def share(self, blocks: list[int]) -> None:
         """One more owner for each of `blocks`."""

@@ -5,8 +5,9 @@ grouped-query attention with optional q/k/v biases, SwiGLU MLP, optionally tied 
 The weights are plain tensors (no nn.Module), so a weight swap is one attribute assignment.
 
 Two forward paths share the per-layer maths:
-  * `prefill_batch`: whole prompts of several sequences; attention runs in torch over their
-    fresh K/V. Returns the new K/V for the caller to store in the paged cache.
+  * `prefill_batch`: the new tokens of several sequences (whole prompts, or what follows a
+    cached prefix); the caller stores their K/V in the paged cache and hands back each
+    sequence's K/V as stored, over which attention runs in torch.
   * `decode`: one query token for each of B sequences; K/V are appended to the paged cache and
     attention reads the cache through the paged-KV ops (`reinforge.kernels.paged_kv`).
 
@@ -149,72 +150,90 @@ class Model:
 
     # ----------------------------------------------------------------------------- prefill
 
-    def prefill(
-        self, token_ids: torch.Tensor, all_logits: bool = False
-    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """One sequence from position 0: (logits [L or 1, vocab], per layer (K, V) [L, Hkv, D])."""
-        logits, kv = self.prefill_batch([token_ids], all_logits=[all_logits])
-        return logits[0], kv
+    def prefill(self, token_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """One sequence from position 0, attending over its fresh K/V: logits [L or 1, vocab]."""
+        return self.prefill_batch([token_ids], all_logits=[all_logits])[0]
 
     def prefill_batch(
-        self, prompts: list[torch.Tensor], all_logits: list[bool] | None = None
-    ) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Several sequences, each from position 0, in one pass.
+        self,
+        prompts: list[torch.Tensor],
+        all_logits: list[bool] | None = None,
+        *,
+        starts: list[int] | None = None,
+        store: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+        | None = None,
+    ) -> list[torch.Tensor]:
+        """The new tokens of several sequences in one pass, each following `starts[i]` tokens
+        already cached (default 0: whole prompts).
 
-        The linear layers run on all tokens concatenated; attention runs on the prompts padded
-        to the longest (causal mask plus key-padding mask). Returns per prompt the logits of
-        every position (if all_logits[i]) or of the last one ([1, vocab]), and per layer the
-        fresh (K, V) of all tokens concatenated in prompt order, [sum L, Hkv, D].
+        The linear layers run on the new tokens concatenated; attention runs on them padded to
+        the longest, over each sequence's keys padded likewise (causal mask plus key-padding
+        mask). `store(layer, k, v)` keeps the fresh K/V of the new tokens ([sum L, Hkv, D], in
+        order) and returns what attention reads: each sequence's K/V as stored, its cached
+        tokens then its new ones, concatenated in order ([sum (start + L), Hkv, D]), so that
+        a prompt attends over the same values whether its prefix was cached or not. Without
+        `store`, attention reads the fresh K/V and every start must be 0. Returns per sequence
+        the logits of every new position (if all_logits[i]) or of the last one ([1, vocab]).
         """
         c = self.config
         all_logits = all_logits or [False] * len(prompts)
+        starts = starts or [0] * len(prompts)
+        if any(starts) and store is None:
+            raise ValueError("prefill_batch: cached tokens (starts) need `store`")
         lens = [int(p.shape[0]) for p in prompts]
         if min(lens) < 1:
             raise ValueError("prefill_batch: every prompt needs at least one token")
         tokens = torch.cat(prompts)
-        positions = torch.cat([torch.arange(n) for n in lens])
+        positions = torch.cat([torch.arange(st, st + n) for st, n in zip(starts, lens)])
         s, lmax, total = len(prompts), max(lens), sum(lens)
-        # pad_index[i, t] = flat index of token t of prompt i, or `total` (a zero row) past its end.
+        len_t, start_t = torch.tensor(lens), torch.tensor(starts)
+        # pad_index[i, t] = flat index of new token t of sequence i, or `total` (a zero row).
         offsets = torch.tensor([0] + lens[:-1]).cumsum(0)
         ar = torch.arange(lmax)
-        valid = ar[None, :] < torch.tensor(lens)[:, None]  # [S, Lmax]
+        valid = ar[None, :] < len_t[:, None]  # [S, Lmax]
         pad_index = torch.where(
             valid, offsets[:, None] + ar[None, :], torch.full_like(ar[None, :], total)
         )
-        mask = (ar[None, :] <= ar[:, None])[None] & valid[:, None, :]  # [S, Lmax(q), Lmax(k)]
-        mask = mask[:, None]  # broadcast over heads
+        # key_index[i, j] = flat index of key j of sequence i (its cached keys first), or the
+        # zero row; query t (position starts[i] + t) sees the keys j <= starts[i] + t.
+        key_lens = start_t + len_t
+        key_total = int(key_lens.sum())
+        ak = torch.arange(int(key_lens.max()))
+        key_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), key_lens[:-1]]).cumsum(0)
+        key_valid = ak[None, :] < key_lens[:, None]  # [S, Kmax]
+        key_index = torch.where(
+            key_valid, key_offsets[:, None] + ak[None, :], torch.full_like(ak[None, :], key_total)
+        )
+        causal = ak[None, None, :] <= (start_t[:, None, None] + ar[None, :, None])
+        mask = (causal & key_valid[:, None, :])[:, None]  # [S, 1, Lmax(q), Kmax(k)]
         group = c.num_heads // c.num_kv_heads
         h = self.weights.embed_tokens[tokens]
         cos, sin = self.rope.cos_sin(positions)
-        new_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for layer in self.weights.layers:
+
+        def padded(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+            x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])  # [N, H, D] -> [S, H, L, D]
+            return x[index].transpose(1, 2)
+
+        for i, layer in enumerate(self.weights.layers):
             q, k, v = self._qkv(layer, h, cos, sin)
-            new_kv.append((k, v))
-
-            def padded(x: torch.Tensor) -> torch.Tensor:  # [N, H, D] -> [S, H, Lmax, D]
-                x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
-                return x[pad_index].transpose(1, 2)
-
-            kh, vh = padded(k), padded(v)
+            if store is not None:
+                k, v = store(i, k, v)
+            kh, vh = padded(k, key_index), padded(v, key_index)
             if group > 1:
                 kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
             attn = F.scaled_dot_product_attention(
-                padded(q), kh, vh, attn_mask=mask, scale=self.sm_scale
+                padded(q, pad_index), kh, vh, attn_mask=mask, scale=self.sm_scale
             )
             h = self._finish_layer(layer, h, attn.transpose(1, 2)[valid])
-        ends = (offsets + torch.tensor(lens) - 1).tolist()
-        logits = []
-        for i in range(s):
-            rows = (
-                h[ends[i] - lens[i] + 1 : ends[i] + 1]
-                if all_logits[i]
-                else h[ends[i] : ends[i] + 1]
-            )
-            logits.append(rows)
+        ends = (offsets + len_t - 1).tolist()
         if not any(all_logits):
             last = self.logits(h[ends])
-            return [last[i : i + 1] for i in range(s)], new_kv
-        return [self.logits(x) for x in logits], new_kv
+            return [last[i : i + 1] for i in range(s)]
+        return [
+            self.logits(h[ends[i] - lens[i] + 1 : ends[i] + 1] if all_logits[i]
+                        else h[ends[i] : ends[i] + 1])
+            for i in range(s)
+        ]
 
     # ------------------------------------------------------------------------------ decode
 

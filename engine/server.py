@@ -374,6 +374,7 @@ async def server_info(request: Request) -> Response:
             "max_total_num_tokens": stats.max_total_num_tokens,
             "kv_bytes_per_token": stats.kv.bytes_per_token,
             "weight_version": e.weight_version,
+            "disable_radix_cache": not ec.prefix_cache,
             "device": "cpu",
             "version": VERSION,
             "startup_time": state.started_at,
@@ -383,6 +384,7 @@ async def server_info(request: Request) -> Response:
                     "num_waiting_reqs": stats.num_waiting_reqs,
                     "steps": stats.steps,
                     "generated_tokens": stats.generated_tokens,
+                    "prefix_cache_pages": stats.prefix_cache_pages,
                 }
             ],
         }
@@ -441,6 +443,7 @@ async def flush_cache(request: Request) -> Response:
         return PlainTextResponse(
             "Cache not flushed: requests are running or waiting.\n", status_code=400
         )
+    await asyncio.wrap_future(state.engine.flush_cache())
     return PlainTextResponse(
         "Cache flushed.\nPlease check backend logs for more details. "
         "(When there are running or waiting requests, the operation will not be performed.)\n"

@@ -33,6 +33,12 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--context-length", type=int, default=None)
     serve.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     serve.add_argument("--weight-version", default="default")
+    serve.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="prefill every prompt whole instead of reusing the cached KV pages of earlier "
+        "requests that share its prefix",
+    )
     serve.add_argument("--served-model-name", default=None)
     serve.set_defaults(func=cmd_serve)
 
@@ -58,6 +64,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_running_requests=args.max_running_requests,
             context_length=args.context_length,
             weight_version=args.weight_version,
+            prefix_cache=not args.disable_radix_cache,
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None

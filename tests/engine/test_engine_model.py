@@ -90,8 +90,9 @@ def test_int8_cache_agreement_with_transformers_is_measured(tiny_model_dir, hf_t
         f"int8 KV: greedy tokens agreeing before first divergence {agree}/{16 * len(prompts)}; "
         f"first-token logprob errors {first_errors}"
     )
-    # The first token comes from the prefill (no cache read): float-exact up to rounding.
-    assert max(first_errors) < 1e-4
+    # The first token comes from the prefill, which attends over the prompt's KV as stored
+    # (int8), as every decode step does: a cached prefix then gives the same token.
+    assert max(first_errors) < 0.1
     assert agree >= len(prompts)
 
 
@@ -163,7 +164,7 @@ def test_a_bf16_llama_checkpoint_with_biases_and_rope_scaling_matches_transforme
     ids = torch.randint(0, 1000, (200,), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         want = hf(ids[None]).logits[0]
-        got, _ = ours.prefill(ids, all_logits=True)
+        got = ours.prefill(ids, all_logits=True)
     assert (want - got).abs().max().item() < 1e-4
     engine = Engine(ours, EngineConfig(kv_cache_dtype="float32", max_total_tokens=1024))
     results = run_engine(

@@ -75,7 +75,9 @@ def test_generate_batch_of_input_ids_with_n_is_ordered_prompt_major(server):
         assert item["meta_info"]["prompt_tokens"] == (21 if k < 3 else 6)
     assert items[1]["meta_info"]["cached_tokens"] == 16  # one shared 16-token page
     again = server.post("/generate", json=body).json()
-    assert [i["output_ids"] for i in again] == [i["output_ids"] for i in items]  # seeded
+    # seeded: the same tokens, though the first prompt's page now comes from the prefix cache
+    assert [i["output_ids"] for i in again] == [i["output_ids"] for i in items]
+    assert again[0]["meta_info"]["cached_tokens"] == 16
 
 
 def test_generate_stops_on_stop_token_ids_and_stop_strings(server):
@@ -256,8 +258,18 @@ def test_info_health_and_cache_endpoints(server):
     assert sinfo["kv_cache_dtype"] == "int8" and sinfo["max_total_num_tokens"] == 8192
     assert server.get("/v1/models").json()["data"][0]["id"] == info["served_model_name"]
     assert server.get("/v1/loads").json()["loads"][0]["num_running_reqs"] >= 0
+    body = {"input_ids": [11, 12, 13] * 8, "sampling_params": {"max_new_tokens": 2}}
+    server.post("/generate", json=body)
+
+    def cache_pages() -> int:
+        return server.get("/get_server_info").json()["internal_states"][0]["prefix_cache_pages"]
+
+    assert cache_pages() >= 1 and not sinfo["disable_radix_cache"]
+    assert server.post("/generate", json=body).json()["meta_info"]["cached_tokens"] == 16
     r = server.post("/flush_cache")
     assert r.status_code == 200 and r.text.startswith("Cache flushed")
+    assert cache_pages() == 0  # really flushed: the same prompt is prefilled whole again
+    assert server.post("/generate", json=body).json()["meta_info"]["cached_tokens"] == 0
 
 
 def test_abort_request_returns_partial_output_with_abort_reason(server):
