@@ -16,6 +16,10 @@ engine, interleaved, median of the repeats:
     apart (a client's GRPO group), 32 new tokens each;
   * `episode_10_turns`: 8 episodes of 10 turns, advanced together: each turn's prompt is the
     last turn's prompt, its output and a new 24-token message, 32 new tokens each.
+Long-context line (`long_context`): while 8 sequences decode, a 16k-token prompt arrives
+(the tiny policy made with 32k positions); with chunked prefill (1024 tokens per step) and
+without: the prompt's prefill tokens/s and the inter-token latency of the running decodes
+(median and p99 of the engine steps until the long prompt's first token), int8 cache.
 The headline comparison with transformers runs without the prefix cache (each repeat sends
 the same prompts again, which the cache would turn into a different workload).
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -146,6 +151,62 @@ def prefix_lines(model, prompts, repeats: int, kernel_backend: str, say) -> dict
     return out
 
 
+def long_context_lines(prompt_tokens: int, chunk: int, repeats: int, kernel_backend: str,
+                       say) -> dict:
+    """A long prompt arriving while 8 sequences decode, with and without chunked prefill."""
+    from reinforge.engine.engine import Engine, EngineConfig, Group, Sequence
+    from reinforge.engine.loader import load_model
+    from reinforge.engine.sampling import SamplingParams
+    from reinforge.engine.tiny import TinyModelSpec, init_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = TinyModelSpec(max_position_embeddings=2 * prompt_tokens)
+        model = load_model(init_tiny_model(Path(tmp) / "long", spec))
+    long_prompt = [(7 * i) % 3000 + 10 for i in range(prompt_tokens)]
+    decode = SamplingParams(max_new_tokens=2000, temperature=1.0, ignore_eos=True)
+    out: dict = {}
+    for mode, size in (("chunked", chunk), ("whole", -1)):
+        rates, p50s, p99s = [], [], []
+        for _ in range(repeats):
+            engine = Engine(model, EngineConfig(
+                kv_cache_dtype="int8", kernel_backend=kernel_backend, prefix_cache=False,
+                max_total_tokens=prompt_tokens + 9 * 2048, chunked_prefill_size=size,
+                context_length=2 * prompt_tokens))
+            for i in range(8):
+                ids = [10 + i, 20, 30, 40]
+                engine.submit(Group(prompt_ids=ids, seqs=[Sequence(
+                    rid=f"d{i}", index=i, prompt_ids=ids, params=decode, sink=lambda u: None)]))
+            for _ in range(3):
+                engine.step()
+            first: list = []
+            engine.submit(Group(prompt_ids=long_prompt, seqs=[Sequence(
+                rid="long", index=0, prompt_ids=long_prompt, params=decode, stream=True,
+                sink=lambda u: first.append(u))]))
+            steps = []
+            t0 = time.perf_counter()
+            while not first:
+                t = time.perf_counter()
+                engine.step()
+                steps.append(time.perf_counter() - t)
+            rates.append(prompt_tokens / (time.perf_counter() - t0))
+            steps.sort()
+            p50s.append(steps[len(steps) // 2])
+            p99s.append(steps[min(len(steps) - 1, math.ceil(0.99 * len(steps)) - 1)])
+            engine.abort(abort_all=True)
+            engine.run_until_idle()
+        out[mode] = {
+            "prefill_tokens_per_s": round(statistics.median(rates), 1),
+            "inter_token_latency_p50_s": round(statistics.median(p50s), 4),
+            "inter_token_latency_p99_s": round(statistics.median(p99s), 4),
+        }
+        say(f"long context ({prompt_tokens} tokens, {mode}): {out[mode]}")
+    return {"prompt_tokens": prompt_tokens, "chunked_prefill_size": chunk, "running": 8,
+            **out,
+            "p99_latency_ratio_whole_vs_chunked": round(
+                out["whole"]["inter_token_latency_p99_s"]
+                / out["chunked"]["inter_token_latency_p99_s"], 2)}
+
+
 def greedy_agreement(engine, hf, prompts, max_new: int) -> tuple[float, float]:
     import torch
     from reinforge.engine.sampling import SamplingParams
@@ -194,6 +255,7 @@ def main() -> int:
         "--repeats", type=int, default=3, help="timed runs of each side (median reported)"
     )
     ap.add_argument("--kernel-backend", default="auto")
+    ap.add_argument("--long-prompt-tokens", type=int, default=16384)
     ap.add_argument(
         "--threads",
         type=int,
@@ -276,6 +338,8 @@ def main() -> int:
     fp_engine = Engine(model, EngineConfig(kv_cache_dtype="float32", max_total_tokens=capacity,
                                            prefix_cache=False))
     prefix = prefix_lines(model, prompts, args.repeats, args.kernel_backend, say)
+    long_context = long_context_lines(args.long_prompt_tokens, 1024, args.repeats,
+                                      args.kernel_backend, say)
     greedy_fp, err_fp = greedy_agreement(fp_engine, hf, prompts, args.greedy_tokens)
     greedy_i8, err_i8 = greedy_agreement(engine, hf, prompts, args.greedy_tokens)
     engine_tps = total_new / statistics.median(engine_times)
@@ -305,6 +369,7 @@ def main() -> int:
         "max_logprob_err_fp": err_fp,
         "max_logprob_err_int8": err_i8,
         "prefix_cache": prefix,
+        "long_context": long_context,
         "torch_threads": torch.get_num_threads(),
     }
     print(json.dumps(result))

@@ -9,8 +9,9 @@ token per step) -> FINISHED (blocks released, final update sent). Every step:
      prompt's full blocks shared among them, those the prefix cache holds reused); the
      prefix cache gives back its least recently used pages when blocks run short; a group
      that does not fit waits (never crash);
-  4. prefill each admitted group once, from the end of its cached prefix, and sample each
-     of its n first tokens;
+  4. prefill admitted groups, oldest first, from the end of their cached prefix, at most
+     `chunked_prefill_size` prompt tokens per step (a long prompt takes several steps); a
+     group whose prompt is then whole samples its n first tokens and starts running;
   5. decode one token for every running sequence in one batch, attention through the
      paged-KV ops.
 Invariants: a sequence's tokens all come from one weight version (swaps wait for an empty
@@ -49,7 +50,8 @@ from reinforge.engine.sampling import (
 )
 
 PREFILL_TOKENS = 4096
-"""Prompt tokens prefilled together at most (bounds the padded attention's memory)."""
+"""Prompt tokens prefilled together at most when prefill is not chunked (bounds the padded
+attention's memory)."""
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -72,6 +74,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     context_length: int | None = None
     """Prompt + generated tokens at most per sequence (default: the model's max positions)."""
     weight_version: str = "default"
+    chunked_prefill_size: int = 1024
+    """Prompt tokens prefilled per engine step at most, shared by the prompts being prefilled:
+    a longer prompt is prefilled over several steps, and the running sequences decode a token
+    between them (bounded memory, bounded inter-token latency). -1: every admitted prompt
+    whole, in the step that admits it (SGLang's --chunked-prefill-size)."""
     prefix_cache: bool = True
     """Reuse the full KV pages of earlier requests whose tokens a new prompt starts with
     (`prefix_cache.py`); False prefills every prompt whole (SGLang's --disable-radix-cache)."""
@@ -81,6 +88,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(
                 f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of "
                 "auto, int8, int4, float32, bfloat16"
+            )
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise ValueError(
+                f"EngineConfig.chunked_prefill_size must be >= 1 or -1, got "
+                f"{self.chunked_prefill_size}"
             )
         for name in ("block_size", "max_total_tokens", "max_running_requests"):
             if getattr(self, name) < 1:
@@ -158,7 +170,11 @@ class Group:
     prompt_ids: list[int]
     seqs: list[Sequence]
     start: int = 0
-    """Prompt tokens whose KV came from the prefix cache (set at admission)."""
+    """Prompt tokens whose KV is stored: from the prefix cache at admission, then each
+    prefill chunk's."""
+    blocks: list[int] = field(default_factory=list)
+    """While it is prefilled: the block table prefill writes (the first sample's), one
+    reference held, so that aborting that sample mid-prefill loses nothing."""
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -203,6 +219,7 @@ class Engine:
         self._cond = threading.Condition()
         self._waiting: deque[Group] = deque()
         self._running: list[Sequence] = []
+        self._prefilling: deque[Group] = deque()  # admitted, blocks held, prompt part-stored
         self._aborts: list[tuple[str, bool, bool]] = []
         self._swap: tuple[Weights, str, Future] | None = None
         self._flushes: list[Future] = []
@@ -211,7 +228,6 @@ class Engine:
         self._generated = 0
         self._prompt_tokens = 0
         self._cached = 0
-        self._admitting: list[Group] = []
 
     # ------------------------------------------------------------------ thread-safe API
 
@@ -266,7 +282,8 @@ class Engine:
 
     def is_idle(self) -> bool:
         with self._cond:
-            return not self._waiting and not self._running and self._swap is None
+            return (not self._waiting and not self._running and not self._prefilling
+                    and self._swap is None)
 
     def stop(self) -> None:
         with self._cond:
@@ -276,9 +293,10 @@ class Engine:
     def statistics(self) -> EngineStats:
         with self._cond:
             used = sum(len(s.prompt_ids) + len(s.output_ids) for s in self._running)
+            used += sum(g.start for g in self._prefilling)
             return EngineStats(
                 num_waiting_reqs=sum(len(g.seqs) for g in self._waiting),
-                num_running_reqs=len(self._running),
+                num_running_reqs=len(self._running) + sum(len(g.seqs) for g in self._prefilling),
                 num_used_tokens=used,
                 max_total_num_tokens=self.pool.num_blocks * self.pool.block_size,
                 steps=self._steps,
@@ -298,8 +316,8 @@ class Engine:
             while True:
                 with self._cond:
                     while not (
-                        self._stop or self._waiting or self._running or self._aborts
-                        or self._swap or self._flushes
+                        self._stop or self._waiting or self._running or self._prefilling
+                        or self._aborts or self._swap or self._flushes
                     ):
                         self._cond.wait()
                     if self._stop:
@@ -318,12 +336,14 @@ class Engine:
             "err_type": "InternalServerError",
         }
         with self._cond:
-            admitting = [s for g in self._admitting for s in g.seqs if s not in self._running]
-            for seq in list(self._running) + admitting:
+            prefilling = [s for g in self._prefilling for s in g.seqs]
+            for seq in list(self._running) + prefilling:
                 if seq.state is not SeqState.FINISHED:
                     self._finish(seq, reason)
             self._running.clear()
-            self._admitting = []
+            for group in self._prefilling:
+                self.pool.release(group.blocks)
+            self._prefilling.clear()
             for group in self._waiting:
                 for seq in group.seqs:
                     self._finish(seq, reason)
@@ -341,23 +361,23 @@ class Engine:
             aborts, self._aborts = self._aborts, []
             for rid, abort_all, exact in aborts:
                 self._apply_abort(rid, abort_all, exact)
-            if self._swap is not None and not self._running:
+            busy = bool(self._running or self._prefilling)
+            if self._swap is not None and not busy:
                 weights, version, fut = self._swap
                 self.model.weights = weights
                 self.weight_version = version
                 self._swap = None
                 self._flush_prefix_cache()  # its KV came from the old weights
                 fut.set_result(version)
-            if self._flushes and not self._running:
+            if self._flushes and not busy:
                 dropped = self._flush_prefix_cache()
                 for fut in self._flushes:
                     fut.set_result(dropped)
                 self._flushes = []
-            admitted = self._admit() if self._swap is None else []
-        self._admitting = admitted
-        if admitted:
-            self._prefill(admitted)
-        self._admitting = []
+            if self._swap is None:
+                self._prefilling.extend(self._admit())
+        if self._prefilling:
+            self._prefill_step()
         self._decode()
         self._steps += 1
 
@@ -398,6 +418,14 @@ class Engine:
                     "err_type": None,
                 },
             )
+        for group in list(self._prefilling):
+            for seq in [s for s in group.seqs if hit(s)]:
+                self._finish(seq, {"type": "abort", "message": "Abort requested",
+                                   "status_code": None, "err_type": None})
+            group.seqs = [s for s in group.seqs if s.state is not SeqState.FINISHED]
+            if not group.seqs:
+                self._prefilling.remove(group)
+                self.pool.release(group.blocks)
         kept: deque[Group] = deque()
         for group in self._waiting:
             for seq in group.seqs:
@@ -418,7 +446,7 @@ class Engine:
 
     def _admit(self) -> list[Group]:
         admitted: list[Group] = []
-        running = len(self._running)
+        running = len(self._running) + sum(len(g.seqs) for g in self._prefilling)
         bs = self.config.block_size
         while self._waiting:
             group = self._waiting[0]
@@ -467,67 +495,84 @@ class Engine:
             seq.state = SeqState.RUNNING
             seq.weight_version = self.weight_version
             seq.cached_tokens = full * bs if j > 0 else group.start
+        group.blocks = list(group.seqs[0].blocks)
+        self.pool.share(group.blocks)
 
-    def _slots(self, seq: Sequence, positions: range) -> list[int]:
-        bs = self.config.block_size
-        return [seq.blocks[pos // bs] * bs + pos % bs for pos in positions]
-
-    def _prefill(self, groups: list[Group]) -> None:
-        """Prefill admitted groups in batches of at most `PREFILL_TOKENS` prompt tokens."""
-        chunk: list[Group] = []
-        size = 0
-        for group in groups:
+    def _prefill_step(self) -> None:
+        """Prefill the admitted prompts, oldest first, within the step's token budget. A
+        prompt whose samples want its logprobs is prefilled whole (its logits are needed
+        together)."""
+        budget = self.config.chunked_prefill_size
+        work: list[tuple[Group, int]] = []  # (group, prompt position to prefill up to)
+        for group in self._prefilling:
+            if budget == 0:
+                break
             todo = len(group.prompt_ids) - group.start
-            if chunk and size + todo > PREFILL_TOKENS:
-                self._prefill_chunk(chunk)
-                chunk, size = [], 0
-            chunk.append(group)
-            size += todo
-        if chunk:
-            self._prefill_chunk(chunk)
+            whole = budget < 0 or any(s.logprob_start_len >= 0 for s in group.seqs)
+            take = todo if whole else min(todo, budget)
+            work.append((group, group.start + take))
+            budget = budget if budget < 0 else max(0, budget - take)
+        batch: list[tuple[Group, int]] = []
+        size = 0
+        for group, end in work:
+            if batch and size + end - group.start > PREFILL_TOKENS:
+                self._prefill_batch(batch)
+                batch, size = [], 0
+            batch.append((group, end))
+            size += end - group.start
+        if batch:
+            self._prefill_batch(batch)
 
-    def _prefill_chunk(self, groups: list[Group]) -> None:
+    def _prefill_batch(self, work: list[tuple[Group, int]]) -> None:
+        """Store the KV of prompt tokens [start, end) of each group; a group whose prompt is
+        then whole samples its n first tokens and joins the running batch."""
         bs, pool = self.config.block_size, self.pool
-        prompts = [torch.tensor(g.prompt_ids[g.start :], dtype=torch.int64) for g in groups]
-        want = [any(s.logprob_start_len >= 0 for s in g.seqs) for g in groups]
+        prompts = [torch.tensor(g.prompt_ids[g.start : end], dtype=torch.int64) for g, end in work]
+        want = [any(s.logprob_start_len >= 0 for s in g.seqs) for g, _ in work]
         slot_list: list[int] = []
-        for g in groups:
-            slot_list += self._slots(g.seqs[0], range(g.start, len(g.prompt_ids)))
+        for g, end in work:
+            slot_list += [g.blocks[q // bs] * bs + q % bs for q in range(g.start, end)]
         slots = torch.tensor(slot_list, dtype=torch.int32)
-        tables = [
-            torch.tensor(g.seqs[0].blocks[: math.ceil(len(g.prompt_ids) / bs)], dtype=torch.int32)
-            for g in groups
-        ]
+        tables = [torch.tensor(g.blocks[: math.ceil(end / bs)], dtype=torch.int32)
+                  for g, end in work]
 
         def store(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
             # attention reads the prompt's KV as stored, as decode does, so a cached prefix
             # gives the same first token as a fresh one
             cache = pool.caches[layer]
             pool.ops.append(cache, k.contiguous(), v.contiguous(), slots)
-            kv = [pool.ops.gather(cache, t, len(g.prompt_ids)) for g, t in zip(groups, tables)]
+            kv = [pool.ops.gather(cache, t, end) for (_, end), t in zip(work, tables)]
             return torch.cat([k for k, _ in kv]), torch.cat([v for _, v in kv])
 
         logits = self.model.prefill_batch(
-            prompts, want, starts=[g.start for g in groups], store=store
+            prompts, want, starts=[g.start for g, _ in work], store=store
         )
         seqs: list[Sequence] = []
         rows: list[torch.Tensor] = []
-        for g, tokens, lg in zip(groups, prompts, logits):
+        for (g, end), tokens, lg in zip(work, prompts, logits):
+            self._prompt_tokens += end - g.start
+            g.start = end
             p = len(g.prompt_ids)
-            if p % bs and len(g.seqs) > 1:  # the prompt's tail page, copied for samples 1..n-1
-                tail = p // bs
-                self.pool.copy_block(g.seqs[0].blocks[tail], [s.blocks[tail] for s in g.seqs[1:]])
-            self._prompt_tokens += p - g.start
+            if end < p:
+                continue  # more chunks to come
+            self._prefilling.remove(g)
+            tail = p // bs
+            if p % bs:  # the prompt's tail page, copied for each sample that has its own
+                pool.copy_block(g.blocks[tail], [s.blocks[tail] for s in g.seqs
+                                                 if s.blocks[tail] != g.blocks[tail]])
             self._cached += sum(s.cached_tokens for s in g.seqs)
             if self.prefix_cache is not None:
-                self.prefix_cache.insert(g.prompt_ids, g.seqs[0].blocks, p // bs)
+                self.prefix_cache.insert(g.prompt_ids, g.blocks, tail)
+            pool.release(g.blocks)
+            g.blocks = []
             for seq in g.seqs:
                 if seq.logprob_start_len >= 0:
                     seq.input_logprobs = self._input_logprobs(seq, tokens, lg)
             seqs += g.seqs
             rows.append(lg[-1:].expand(len(g.seqs), -1))
-        self._running.extend(seqs)
-        self._sample_and_advance(seqs, torch.cat(rows))
+        if seqs:
+            self._running.extend(seqs)
+            self._sample_and_advance(seqs, torch.cat(rows))
 
     @staticmethod
     def _input_logprobs(

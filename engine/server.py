@@ -375,6 +375,7 @@ async def server_info(request: Request) -> Response:
             "kv_bytes_per_token": stats.kv.bytes_per_token,
             "weight_version": e.weight_version,
             "disable_radix_cache": not ec.prefix_cache,
+            "chunked_prefill_size": ec.chunked_prefill_size,
             "device": "cpu",
             "version": VERSION,
             "startup_time": state.started_at,

@@ -34,6 +34,13 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     serve.add_argument("--weight-version", default="default")
     serve.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=1024,
+        help="prompt tokens prefilled per engine step at most, so running requests keep "
+        "decoding while a long prompt is prefilled (-1: whole prompts)",
+    )
+    serve.add_argument(
         "--disable-radix-cache",
         action="store_true",
         help="prefill every prompt whole instead of reusing the cached KV pages of earlier "
@@ -64,6 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_running_requests=args.max_running_requests,
             context_length=args.context_length,
             weight_version=args.weight_version,
+            chunked_prefill_size=args.chunked_prefill_size,
             prefix_cache=not args.disable_radix_cache,
         )
     except ValueError as exc:

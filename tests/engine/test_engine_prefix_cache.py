@@ -120,3 +120,16 @@ def test_flush_cache_drops_every_page_once_nothing_runs(model):
     engine.run_until_idle()
     assert fut.result(timeout=5) == 3 + 3
     assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_a_long_history_resent_is_prefilled_from_the_end_of_its_cached_prefix(model):
+    long = [(7 * i) % 900 + 20 for i in range(300)]
+    engine = make_engine(model, prefix_cache=True, chunked_prefill_size=64)
+    first = run(engine, long)
+    history = long + first.output_ids + [5, 6]  # 314 tokens
+    before = engine.statistics().prompt_tokens
+    again = run(engine, history, rid="again")
+    # 300 + 12 tokens, the last one's KV unwritten: 19 full pages reused, 10 tokens prefilled
+    assert again.cached_tokens == 304
+    assert engine.statistics().prompt_tokens - before == 10
+    assert again.output_ids == run(make_engine(model, chunked_prefill_size=-1), history).output_ids
