@@ -40,6 +40,7 @@ import torch
 from reinforge.engine.kvpool import KVPool, KVPoolStats
 from reinforge.engine.model import Model, Weights
 from reinforge.engine.prefix_cache import PrefixCache
+from reinforge.engine.speculative import NgramIndex, accept
 from reinforge.engine.sampling import (
     GREEDY_TEMPERATURE,
     TOP_K_ALL,
@@ -79,6 +80,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     a longer prompt is prefilled over several steps, and the running sequences decode a token
     between them (bounded memory, bounded inter-token latency). -1: every admitted prompt
     whole, in the step that admits it (SGLang's --chunked-prefill-size)."""
+    speculative_num_draft_tokens: int = 0
+    """Speculative decoding by prompt lookup (`speculative.py`): up to this many draft tokens
+    per sequence and step, verified in one forward pass (0: off). Exact for greedy, the same
+    distribution when sampling, the same logprobs."""
+    speculative_ngram_max: int = 3
+    """The longest tail n-gram looked up for a draft."""
     prefix_cache: bool = True
     """Reuse the full KV pages of earlier requests whose tokens a new prompt starts with
     (`prefix_cache.py`); False prefills every prompt whole (SGLang's --disable-radix-cache)."""
@@ -94,6 +101,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"EngineConfig.chunked_prefill_size must be >= 1 or -1, got "
                 f"{self.chunked_prefill_size}"
             )
+        if self.speculative_num_draft_tokens < 0 or self.speculative_ngram_max < 1:
+            raise ValueError("EngineConfig: speculative_num_draft_tokens must be >= 0 and "
+                             "speculative_ngram_max >= 1")
         for name in ("block_size", "max_total_tokens", "max_running_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -147,6 +157,8 @@ class Sequence:
     cached_tokens: int = 0
     stop_check: Callable[[list[int]], str | None] | None = None
     """Returns the matched stop string once the decoded output contains one."""
+    ngrams: NgramIndex | None = None
+    """Its tokens' n-gram index, for speculative drafts (made at its first draft)."""
 
     def update(self) -> SeqUpdate:
         return SeqUpdate(
@@ -188,6 +200,12 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     cached_tokens: int
     weight_version: str
     prefix_cache_pages: int
+    spec_verify_steps: int
+    """Sequence-steps that verified a draft ..."""
+    spec_draft_tokens: int
+    """... the draft tokens they proposed ..."""
+    spec_accepted_tokens: int
+    """... and those accepted (each step also emits one token of its own)."""
     kv: KVPoolStats
 
 
@@ -228,6 +246,7 @@ class Engine:
         self._generated = 0
         self._prompt_tokens = 0
         self._cached = 0
+        self._spec = [0, 0, 0]  # verify steps, draft tokens, accepted tokens
 
     # ------------------------------------------------------------------ thread-safe API
 
@@ -305,6 +324,9 @@ class Engine:
                 cached_tokens=self._cached,
                 weight_version=self.weight_version,
                 prefix_cache_pages=self.prefix_cache.num_pages if self.prefix_cache else 0,
+                spec_verify_steps=self._spec[0],
+                spec_draft_tokens=self._spec[1],
+                spec_accepted_tokens=self._spec[2],
                 kv=self.pool.statistics(),
             )
 
@@ -590,6 +612,14 @@ class Engine:
         seqs = [s for s in self._running if s.output_ids]
         if not seqs:
             return
+        drafts = self._drafts(seqs) if self.config.speculative_num_draft_tokens else {}
+        plain = [s for s in seqs if s not in drafts]
+        if plain:
+            self._decode_batch(plain)
+        if drafts:
+            self._verify(drafts)
+
+    def _decode_batch(self, seqs: list[Sequence]) -> None:
         bs = self.config.block_size
         tokens = torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.int64)
         pos_list = [len(s.prompt_ids) + len(s.output_ids) - 1 for s in seqs]
@@ -611,6 +641,62 @@ class Engine:
 
         logits = self.model.decode(tokens, positions, attend)
         self._sample_and_advance(seqs, logits)
+
+    def _drafts(self, seqs: list[Sequence]) -> dict[Sequence, list[int]]:
+        """Prompt-lookup drafts of the sequences that have one, each short enough that
+        accepting all of it and one more token stays within the sequence's reserved pages,
+        its max_new_tokens and the context length."""
+        cfg = self.config
+        out: dict[Sequence, list[int]] = {}
+        for seq in seqs:
+            if seq.ngrams is None:
+                seq.ngrams = NgramIndex(seq.prompt_ids, cfg.speculative_ngram_max)
+                seq.ngrams.extend(seq.output_ids)
+            room = min(seq.params.max_new_tokens - len(seq.output_ids),
+                       self.context_length - len(seq.prompt_ids) - len(seq.output_ids)) - 1
+            draft = seq.ngrams.draft(min(cfg.speculative_num_draft_tokens, room))
+            if draft:
+                out[seq] = draft
+        return out
+
+    def _verify(self, drafts: dict[Sequence, list[int]]) -> None:
+        """One forward pass over each sequence's last token and its draft (the prompt path:
+        K/V stored, attention over them as stored); then accept per `speculative.accept`."""
+        bs, pool = self.config.block_size, self.pool
+        seqs = list(drafts)
+        starts = [len(s.prompt_ids) + len(s.output_ids) - 1 for s in seqs]
+        inputs = [[s.output_ids[-1]] + drafts[s] for s in seqs]
+        ends = [st + len(x) for st, x in zip(starts, inputs)]
+        slots = torch.tensor(
+            [s.blocks[q // bs] * bs + q % bs for s, st, end in zip(seqs, starts, ends)
+             for q in range(st, end)], dtype=torch.int32)
+        tables = [torch.tensor(s.blocks[: math.ceil(end / bs)], dtype=torch.int32)
+                  for s, end in zip(seqs, ends)]
+
+        def store(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            cache = pool.caches[layer]
+            pool.ops.append(cache, k.contiguous(), v.contiguous(), slots)
+            kv = [pool.ops.gather(cache, t, end) for t, end in zip(tables, ends)]
+            return torch.cat([k for k, _ in kv]), torch.cat([v for _, v in kv])
+
+        logits = self.model.prefill_batch(
+            [torch.tensor(x, dtype=torch.int64) for x in inputs], [True] * len(seqs),
+            starts=starts, store=store,
+        )
+        for seq, lg in zip(seqs, logits):
+            p = seq.params
+            lp = token_logprobs(lg, p.temperature)
+            keep = None
+            if p.top_k < TOP_K_ALL or p.top_p < 1.0 or p.min_p > 0:
+                rows = lp.shape[0]
+                keep = truncation_mask(lp, torch.full((rows,), p.top_k),
+                                       torch.full((rows,), p.top_p, dtype=torch.float32),
+                                       torch.full((rows,), p.min_p, dtype=torch.float32))
+            emitted = accept(drafts[seq], lp, keep, p.greedy, seq.generator)
+            self._spec[0] += 1
+            self._spec[1] += len(drafts[seq])
+            self._spec[2] += len(emitted) - 1
+            self._advance(seq, emitted)
 
     def _sample_and_advance(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Sample one token for each of `seqs` from logits [len(seqs), V], then check stops."""
@@ -639,15 +725,23 @@ class Engine:
         next_ids = sample_tokens(lp, greedy, keep, [s.generator for s in seqs])
         picked = lp.gather(1, next_ids[:, None]).flatten().tolist()
         for seq, tok, tok_lp in zip(seqs, next_ids.tolist(), picked):
+            self._advance(seq, [(tok, tok_lp)])
+
+    def _advance(self, seq: Sequence, tokens: list[tuple[int, float]]) -> None:
+        """Append emitted (token, logprob) pairs, each checked for a stop; then one update."""
+        for tok, tok_lp in tokens:
             seq.output_ids.append(tok)
             seq.output_logprobs.append(tok_lp)
+            if seq.ngrams is not None:
+                seq.ngrams.extend([tok])
             self._generated += 1
             reason = self._stop_reason(seq, tok)
             if reason is not None:
                 self._running.remove(seq)
                 self._finish(seq, reason)
-            elif seq.stream:
-                seq.sink(seq.update())
+                return
+        if seq.stream:
+            seq.sink(seq.update())
 
     def _stop_reason(self, seq: Sequence, tok: int) -> dict[str, Any] | None:
         p = seq.params

@@ -185,7 +185,7 @@ class Model:
             raise ValueError("prefill_batch: every prompt needs at least one token")
         tokens = torch.cat(prompts)
         positions = torch.cat([torch.arange(st, st + n) for st, n in zip(starts, lens)])
-        s, lmax, total = len(prompts), max(lens), sum(lens)
+        lmax, total = max(lens), sum(lens)
         len_t, start_t = torch.tensor(lens), torch.tensor(starts)
         # pad_index[i, t] = flat index of new token t of sequence i, or `total` (a zero row).
         offsets = torch.tensor([0] + lens[:-1]).cumsum(0)
@@ -225,15 +225,11 @@ class Model:
                 padded(q, pad_index), kh, vh, attn_mask=mask, scale=self.sm_scale
             )
             h = self._finish_layer(layer, h, attn.transpose(1, 2)[valid])
+        # one LM-head matmul over the rows wanted: every new position, or the last one
         ends = (offsets + len_t - 1).tolist()
-        if not any(all_logits):
-            last = self.logits(h[ends])
-            return [last[i : i + 1] for i in range(s)]
-        return [
-            self.logits(h[ends[i] - lens[i] + 1 : ends[i] + 1] if all_logits[i]
-                        else h[ends[i] : ends[i] + 1])
-            for i in range(s)
-        ]
+        counts = [n if every else 1 for n, every in zip(lens, all_logits)]
+        rows = [r for end, n in zip(ends, counts) for r in range(end - n + 1, end + 1)]
+        return list(self.logits(h[rows]).split(counts))
 
     # ------------------------------------------------------------------------------ decode
 

@@ -376,6 +376,8 @@ async def server_info(request: Request) -> Response:
             "weight_version": e.weight_version,
             "disable_radix_cache": not ec.prefix_cache,
             "chunked_prefill_size": ec.chunked_prefill_size,
+            "speculative_algorithm": "NGRAM" if ec.speculative_num_draft_tokens else None,
+            "speculative_num_draft_tokens": ec.speculative_num_draft_tokens,
             "device": "cpu",
             "version": VERSION,
             "startup_time": state.started_at,
@@ -386,6 +388,9 @@ async def server_info(request: Request) -> Response:
                     "steps": stats.steps,
                     "generated_tokens": stats.generated_tokens,
                     "prefix_cache_pages": stats.prefix_cache_pages,
+                    "spec_verify_steps": stats.spec_verify_steps,
+                    "spec_draft_tokens": stats.spec_draft_tokens,
+                    "spec_accepted_tokens": stats.spec_accepted_tokens,
                 }
             ],
         }

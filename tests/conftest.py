@@ -9,10 +9,12 @@ HYPOTHESIS_PROFILE=explore for fresh random examples.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import reinforge  # noqa: F401 - first: takes the checkout root off sys.path (see its docstring)
@@ -146,18 +148,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_tiny_model(tmp_path_factory.mktemp("tiny") / "model", spec)
 
 
-@pytest.fixture(scope="module")
-def server_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+@contextlib.contextmanager
+def _serving(model_dir: Path, where: Path, server_args: list[str]) -> Iterator[str]:
     """A real `reinforge serve` process on a free port, started by the command line the
-    sampler and the supervisor use; stopped (SIGINT) after the module."""
+    sampler and the supervisor use; yields its URL, stopped (SIGINT) after."""
     import signal
     import time
 
     from reinforge.rollout.server import ServerSpec, server_command
 
-    where = tmp_path_factory.mktemp("srv")
-    spec = ServerSpec(model_path=str(tiny_model_dir), initial_version=0,
-                      server_args=["--max-total-tokens", "8192"])
+    spec = ServerSpec(model_path=str(model_dir), initial_version=0, server_args=server_args)
     with open(where / "server.log", "wb") as log:
         proc = subprocess.Popen(server_command(spec, str(where / "port")), stdout=log,
                                 stderr=subprocess.STDOUT)
@@ -175,3 +175,18 @@ def server_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The tiny policy served by a real `reinforge serve`, shared by a test module."""
+    with _serving(tiny_model_dir, tmp_path_factory.mktemp("srv"),
+                  ["--max-total-tokens", "8192"]) as url:
+        yield url
+
+
+@pytest.fixture
+def serve_tiny(tiny_model_dir: Path, tmp_path: Path):
+    """`with serve_tiny(*flags) as url:` another real server of the tiny policy, own flags."""
+    return lambda *flags: _serving(tiny_model_dir, tmp_path,
+                                   ["--max-total-tokens", "8192", *flags])

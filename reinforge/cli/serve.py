@@ -41,6 +41,18 @@ def register(subparsers: Any) -> None:
         "decoding while a long prompt is prefilled (-1: whole prompts)",
     )
     serve.add_argument(
+        "--speculative-algorithm",
+        choices=["NGRAM"],
+        default=None,
+        help="speculative decoding: NGRAM drafts tokens by prompt lookup (the sequence's own "
+        "earlier n-grams) and verifies them in one pass; same outputs (greedy), distribution "
+        "(sampling) and logprobs",
+    )
+    serve.add_argument(
+        "--speculative-num-draft-tokens", type=int, default=4,
+        help="draft tokens per sequence and step (with --speculative-algorithm)",
+    )
+    serve.add_argument(
         "--disable-radix-cache",
         action="store_true",
         help="prefill every prompt whole instead of reusing the cached KV pages of earlier "
@@ -72,6 +84,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             context_length=args.context_length,
             weight_version=args.weight_version,
             chunked_prefill_size=args.chunked_prefill_size,
+            speculative_num_draft_tokens=(
+                args.speculative_num_draft_tokens if args.speculative_algorithm else 0
+            ),
             prefix_cache=not args.disable_radix_cache,
         )
     except ValueError as exc:

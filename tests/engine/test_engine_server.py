@@ -366,3 +366,21 @@ def test_a_client_that_drops_a_stream_stops_its_generation(server):
         time.sleep(0.2)
     assert load["num_running_reqs"] == 0
     assert generated() - before < 1900  # aborted, not run to the end
+
+
+def test_the_serve_flags_for_speculative_decoding_chunked_prefill_and_no_prefix_cache(
+        server, serve_tiny):
+    body = {"input_ids": [5, 6, 7, 8] * 12,
+            "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
+    flags = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "3",
+             "--chunked-prefill-size", "32", "--disable-radix-cache"]
+    with serve_tiny(*flags) as url, httpx.Client(base_url=url, timeout=60) as other:
+        got = [other.post("/generate", json=body).json() for _ in range(2)]
+        info = other.get("/get_server_info").json()
+    assert (info["speculative_algorithm"], info["speculative_num_draft_tokens"],
+            info["chunked_prefill_size"], info["disable_radix_cache"]) == ("NGRAM", 3, 32, True)
+    assert info["internal_states"][0]["spec_draft_tokens"] > 0
+    assert got[1]["meta_info"]["cached_tokens"] == 0  # no prefix cache
+    # the same greedy tokens as the default server (int8 cache both)
+    default = server.post("/generate", json=body).json()["output_ids"]
+    assert [g["output_ids"] for g in got] == [default, default]
