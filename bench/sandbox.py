@@ -11,6 +11,11 @@ Checks (HumanEval-shaped: the code domain's harness over a prompt, a candidate, 
                candidate's worker each a fresh interpreter
   podman_run   a fresh `podman run --rm` per check, the harness as a script
 
+Terminal episodes (`--episode-turns`, default 5 and 20; one episode at a time, one command
+per turn): the wall-clock sandbox seconds per turn, each step a job replaying every command
+before it (the replay path) against one session per episode (the session path), and
+session_vs_replay at each length.
+
 Every way runs `concurrency` at a time (for a pool: that many sandboxes, given everything at
 once, as its users do), in interleaved rounds so that load from other processes falls on all
 alike; every way must give the same outcomes. CPU seconds per check are machine-wide (user +
@@ -306,6 +311,45 @@ async def bench_checks(n_checks: int, concurrency: int, rounds: int) -> dict:
     return out
 
 
+class _ReplayOnly:
+    """The pool's runner without sessions: every step replays the episode so far."""
+
+    name = "podman"
+
+    def __init__(self, runner) -> None:
+        self.run, self.check = runner.run, runner.check
+
+
+async def bench_episodes(turn_counts: list[int], rounds: int) -> dict:
+    """Sandbox seconds per turn of a terminal episode, replay path vs session path."""
+    from reinforge.envs.domains.terminal import TerminalDomain
+    from reinforge.envs.sandbox.runner import PoolRunner
+
+    out: dict = {}
+    async with SandboxPool(PoolConfig(size=1, cache_entries=0)) as pool:
+        assert await pool.wait_ready(120), "the pool did not warm up"
+        session_runner = PoolRunner(pool)
+        runners = {"replay": _ReplayOnly(session_runner), "session": session_runner}
+        for turns in turn_counts:
+            row = {"instruction": "count", "max_turns": turns,
+                   "checks": [{"kind": "file_exists", "path": "log.txt"}]}
+            spent = dict.fromkeys(runners, 0.0)
+            for _ in range(rounds):
+                for way, runner in runners.items():
+                    domain = TerminalDomain().with_runner(runner)
+                    ep = domain.start_episode(domain.task_from_row(row, where="bench:1"))
+                    t0 = time.perf_counter()
+                    for i in range(turns):
+                        obs, _ = await ep.step(f"$ echo {i} >> log.txt")
+                        assert obs == "[exit 0]", f"{way}: {obs}"
+                    spent[way] += time.perf_counter() - t0
+                    await ep.aclose()
+            for way in runners:
+                out[f"episode_{turns}_turns_{way}_s_per_turn"] = spent[way] / (rounds * turns)
+            out[f"episode_{turns}_turns_session_vs_replay"] = spent["replay"] / spent["session"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--jobs", type=int, default=40)
@@ -313,12 +357,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--max-batch", type=int, default=4, help="PoolConfig.max_batch (1: off)")
     p.add_argument("--rounds", type=int, default=4, help="interleaved rounds (fairness under load)")
+    p.add_argument("--episode-turns", type=int, nargs="*", default=[5, 20],
+                   help="terminal episode lengths to time (none: skip)")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     args = p.parse_args(argv)
     result = trio.run(bench, args.jobs, args.concurrency, args.rounds, args.max_batch)
     if args.checks:
         checks = trio.run(bench_checks, args.checks, args.concurrency, args.rounds)
         result.update({k: round(v, 4) if isinstance(v, float) else v for k, v in checks.items()})
+    if args.episode_turns:
+        episodes = trio.run(bench_episodes, args.episode_turns, 2)
+        result.update({k: round(v, 4) for k, v in episodes.items()})
     result["load_avg_1m"] = round(os.getloadavg()[0], 4)
     if not args.json:
         for k, v in result.items():

@@ -7,11 +7,12 @@ are hidden: they travel to `terminal_driver.py` on its stdin and live only in it
 (non-dumpable) memory; test files the agent can see may be edited freely, the
 hidden copy is what runs.
 
-Episodes are replayed, not kept alive: every step runs the commands so far in a
-fresh sandbox from the pool (the state is a pure function of the command list), so
-an episode holds no container between turns, a crash loses nothing, and `verify`
-of a finished transcript is the same code path. Commands whose output is
-nondeterministic (dates, random numbers) may show different output on replay.
+On the Podman pool an episode runs in one sandbox session (`envs/sandbox/session.py`): the
+driver starts once and each step is one command in the live directory, so n turns cost n
+commands, not the 1 + 2 + ... + n of a replay. `verify` of a finished transcript replays its
+commands once in a fresh sandbox (the state is a pure function of the command list, so a
+crash loses nothing); commands whose output is nondeterministic (dates, random numbers) may
+show different output on replay. Runners without sessions replay every step.
 
 Completion format for `verify`: one command per line, each starting with `$ ` (lines
 without it are ignored if any line has it, e.g. echoed observations); `exit` ends.
@@ -29,6 +30,7 @@ JSONL row schema (`TerminalRow`):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -45,6 +47,7 @@ from reinforge.envs.tasksets import decode_row, load_jsonl
 
 DRIVER_PATH = Path(__file__).with_name("terminal_driver.py")
 HARNESS_PATH = Path(__file__).with_name("code_harness.py")
+SESSION_ARGV = ["python3", "-I", "-B", "-c", DRIVER_PATH.read_text(encoding="utf-8"), "--session"]
 EXIT_WORDS = ("exit", "submit", "done", "logout")
 
 
@@ -223,7 +226,12 @@ def build_prompt(spec: TerminalSpec) -> str:
 
 
 class TerminalEpisode:
-    """A live episode: `step(command)` -> (observation, done); `finish()` -> Verdict."""
+    """A live episode: `step(command)` -> (observation, done); `finish()` -> Verdict.
+
+    On a runner with sessions (the Podman pool) the episode holds one sandbox session from
+    its first step to `finish`/`aclose`: each step is one command in the live shell
+    directory, and `finish` checks the live state. Elsewhere each step replays the commands
+    so far (see the module docstring)."""
 
     def __init__(self, domain: TerminalDomain, task: TaskSpec):
         self.domain = domain
@@ -232,6 +240,13 @@ class TerminalEpisode:
         self.commands: list[str] = []
         self.done = False
         self.verdict: Verdict | None = None
+        self._held = contextlib.AsyncExitStack()
+        self._session: Any = None
+        self._ended: Exception | None = None  # why the session is gone (SessionEnded or infra)
+
+    @property
+    def uses_session(self) -> bool:
+        return hasattr(self.domain.runner, "session")
 
     async def step(self, action: str) -> tuple[str, bool]:
         if self.done:
@@ -241,18 +256,59 @@ class TerminalEpisode:
             self.done = True
             return "", True
         self.commands.append(cmd)
-        obs = await self.domain.run_steps(self.task, self.commands)
         self.done = len(self.commands) >= self.spec.max_turns
-        return obs, self.done
+        if not self.uses_session:
+            return await self.domain.run_steps(self.task, self.commands), self.done
+        reply = await self._request({"op": "run", "cmd": cmd,
+                                     "timeout_s": self.spec.command_timeout_s},
+                                    self.spec.command_timeout_s)
+        if reply is None:
+            self.done = True
+            return f"[the shell session ended: {self._ended}]", True
+        code = "timeout" if reply["exit"] is None else reply["exit"]
+        return f"{reply['output']}[exit {code}]", self.done
 
     async def finish(self) -> Verdict:
         if self.verdict is None:
             self.done = True
-            self.verdict = await self.domain.check(self.task, self.commands)
+            if not self.uses_session:
+                self.verdict = await self.domain.check(self.task, self.commands)
+            else:
+                self.verdict = await self._finish_in_session()
+            await self.aclose()
         return self.verdict
+
+    async def _finish_in_session(self) -> Verdict:
+        checks = [msgspec.to_builtins(c) for c in self.spec.checks]
+        budget = sum(c.timeout_s for c in self.spec.checks) + self.domain.config.overhead_s
+        result = await self._request({"op": "final", "checks": checks}, budget)
+        if result is not None:
+            return verdict_of(result, self.commands)
+        if isinstance(self._ended, RunnerInfraError) or getattr(self._ended, "infra", False):
+            return infra_error(str(self._ended))
+        return Verdict(reward=0.0, outcome="error", reason=f"the shell session ended: "
+                       f"{self._ended}", checks=[Check(name="session", passed=False,
+                                                       detail=str(self._ended))])
+
+    async def _request(self, body: dict[str, Any], timeout_s: float) -> dict[str, Any] | None:
+        """The session's answer, or None once it has ended (`self._ended` says why)."""
+        from reinforge.envs.sandbox.session import SessionEnded
+
+        if self._ended is not None:
+            return None
+        try:
+            if self._session is None:
+                self._session = await self._held.enter_async_context(
+                    self.domain.runner.session(SESSION_ARGV, self.domain.session_config(self.spec)))
+            return await self._session.request(body, timeout_s)
+        except (SessionEnded, RunnerInfraError) as exc:
+            self._ended = exc
+            await self.aclose()
+            return None
 
     async def aclose(self) -> None:
         self.done = True
+        await self._held.aclose()
 
 
 class TerminalDomain:
@@ -400,11 +456,22 @@ class TerminalDomain:
                 reason=f"the driver gave no verdict (status {out.status})",
                 checks=[Check(name="verdict", passed=False, detail=out.detail)],
             )
-        checks = [Check(name=str(n), passed=bool(p), detail=str(d)) for n, p, d in result["checks"]]
-        ok = result["status"] == "pass"
-        return Verdict(
-            reward=1.0 if ok else 0.0,
-            outcome="pass" if ok else "fail",
-            checks=[Check(name="commands", passed=True, detail=f"{len(commands)} run"), *checks],
-            reason=result["reason"],
-        )
+        return verdict_of(result, commands)
+
+    def session_config(self, spec: TerminalSpec) -> dict[str, Any]:
+        """The session driver's first frame: the task's files, and code_harness's source
+        (for the python_tests checks)."""
+        return {"files": spec.files, "harness": HARNESS_PATH.read_text(encoding="utf-8"),
+                "sandboxed": True}
+
+
+def verdict_of(result: dict[str, Any], commands: list[str]) -> Verdict:
+    """The driver's final answer as a Verdict."""
+    checks = [Check(name=str(n), passed=bool(p), detail=str(d)) for n, p, d in result["checks"]]
+    ok = result["status"] == "pass"
+    return Verdict(
+        reward=1.0 if ok else 0.0,
+        outcome="pass" if ok else "fail",
+        checks=[Check(name="commands", passed=True, detail=f"{len(commands)} run"), *checks],
+        reason=result["reason"],
+    )

@@ -1,6 +1,7 @@
 """The terminal-domain driver. Standalone (stdlib + code_harness.py): copied into the sandbox.
 
-    python3 -I terminal_driver.py   # job as JSON on stdin
+    python3 -I terminal_driver.py             # job as JSON on stdin
+    python3 -I -c <this file> --session       # one episode, a request per step
 
 It deletes its staged stdin file and makes itself non-dumpable (like code_harness.py),
 writes the task's files into ./task, runs the agent's shell commands there one by one
@@ -20,8 +21,11 @@ import json
 import os
 import signal
 import stat
+import struct
 import subprocess
 import sys
+import tempfile
+import types
 
 code_harness = None  # loaded by main(), before any agent command can replace the file
 
@@ -159,39 +163,118 @@ def run_check(check, task_dir, scratch):
     return [name, False, "unknown check kind %r" % kind]
 
 
-def main():
-    _load_harness()
-    job = json.loads(sys.stdin.buffer.read().decode("utf-8"))
-    code_harness._forget_stdin_file()
-    hardened = code_harness._make_non_dumpable()
+def prepare(files):
+    """The task directory with its starting files, and a scratch directory for the checks."""
     base = os.getcwd()
     task_dir = os.path.join(base, "task")
     scratch = os.path.join(base, ".check")
     os.makedirs(task_dir, exist_ok=True)
     os.makedirs(scratch, exist_ok=True)
-    for rel, content in job.get("files", {}).items():
+    for rel, content in files.items():
         path = os.path.join(task_dir, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w", encoding="utf-8") as fh:
             fh.write(content)
+    return task_dir, scratch
+
+
+def final_checks(checks, task_dir, scratch, sandboxed):
+    if sandboxed and os.geteuid() != 0:
+        kill_leftovers()  # no helper of the agent's survives to tamper with the checks
+    results = [run_check(c, task_dir, scratch) for c in checks]
+    failed = [c for c in results if not c[1]]
+    return {
+        "status": "fail" if failed else "pass",
+        "checks": results,
+        "reason": ("%s: %s" % (failed[0][0], failed[0][2])) if failed else "all checks passed",
+    }
+
+
+def main():
+    _load_harness()
+    job = json.loads(sys.stdin.buffer.read().decode("utf-8"))
+    code_harness._forget_stdin_file()
+    hardened = code_harness._make_non_dumpable()
+    task_dir, scratch = prepare(job.get("files", {}))
     observations = []
     for cmd in job["commands"]:
         code, text = run_command(cmd, task_dir, float(job["command_timeout_s"]))
         observations.append({"exit": code, "output": text})
     result = {"observations": observations, "hardened": hardened}
     if job["mode"] == "final":
-        if job.get("sandboxed") and os.geteuid() != 0:
-            kill_leftovers()  # no helper of the agent's survives to tamper with the checks
-        checks = [run_check(c, task_dir, scratch) for c in job["checks"]]
-        failed = [c for c in checks if not c[1]]
-        result.update(
-            status="fail" if failed else "pass",
-            checks=checks,
-            reason=("%s: %s" % (failed[0][0], failed[0][2])) if failed else "all checks passed",
-        )
+        result.update(final_checks(job["checks"], task_dir, scratch, job.get("sandboxed")))
     sys.stdout.write(job["nonce"] + " " + json.dumps(result) + "\n")
     sys.stdout.flush()
 
 
+# -- session mode (envs/sandbox/session.py): frames of a 4-byte big-endian length + JSON ------
+
+
+def _read_exact(n):
+    buf = b""
+    while len(buf) < n:
+        chunk = os.read(0, n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return buf
+
+
+def _receive():
+    head = _read_exact(4)
+    if head is None:
+        return None
+    body = _read_exact(struct.unpack(">I", head)[0])
+    return None if body is None else json.loads(body.decode("utf-8"))
+
+
+def _answer(obj):
+    data = json.dumps(obj).encode("utf-8")
+    data = struct.pack(">I", len(data)) + data
+    while data:
+        data = data[os.write(1, data) :]
+
+
+def session_main():
+    """One episode in one process: the config (files, code_harness's source), then one
+    request per step ({"op": "run", "cmd", "timeout_s"}) and a last {"op": "final",
+    "checks"}; one answer each. The checks arrive only at the end, and the agent's commands
+    never write where the answers go (their output is piped to this process)."""
+    global code_harness
+    config = _receive()
+    if config is None:
+        return
+    task_dir, scratch = prepare(config.get("files", {}))
+    # the trusted side runs from this memory; the file is what the check's worker (the
+    # candidate's side) starts from, as in job mode
+    path = os.path.join(tempfile.mkdtemp(prefix=".harness-"), "code_harness.py")
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(config["harness"])
+    code_harness = types.ModuleType("code_harness")
+    code_harness.__file__ = path
+    exec(compile(config["harness"], path, "exec"), code_harness.__dict__)
+    hardened = code_harness._make_non_dumpable()
+    _answer({"ready": True, "hardened": hardened})
+    commands = 0
+    while True:
+        req = _receive()
+        if req is None:
+            return
+        if req.get("op") == "run":
+            code, text = run_command(req["cmd"], task_dir, float(req["timeout_s"]))
+            commands += 1
+            _answer({"exit": code, "output": text, "commands": commands})
+        elif req.get("op") == "final":
+            result = final_checks(req["checks"], task_dir, scratch, config.get("sandboxed"))
+            result["commands"] = commands
+            _answer(result)
+            return
+        else:
+            _answer({"error": "unknown request %r" % req.get("op")})
+
+
 if __name__ == "__main__":
-    main()
+    if "--session" in sys.argv:
+        session_main()
+    else:
+        main()

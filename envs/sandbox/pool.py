@@ -30,10 +30,13 @@ Invariants:
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import math
 import secrets
 import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import msgspec
 import trio
@@ -52,6 +55,7 @@ from reinforge.envs.sandbox.box import (
     limit_mechanism,
 )
 from reinforge.envs.sandbox.batch import can_batch, inline_size, run_tasks
+from reinforge.envs.sandbox.session import SandboxSession
 from reinforge.envs.sandbox.zygote import Check, run_checks
 
 
@@ -94,6 +98,10 @@ class PoolStatistics(msgspec.Struct, frozen=True, kw_only=True):
     batched_jobs: int
     checks: int
     """Checks run by the sandboxes' zygotes (no exec of their own)."""
+    sessions: int
+    """Episode sessions held (`SandboxPool.session`), each a sandbox for a whole episode."""
+    session_requests: int
+    """Their steps, each a request to the session's process."""
     last_infra_error: str
 
 
@@ -398,6 +406,37 @@ class SandboxPool:
                 self._counts["batches"] += 1
                 self._counts["batched_jobs"] += len(batch)
 
+    @contextlib.asynccontextmanager
+    async def session(
+        self, argv: Sequence[str], config: dict[str, Any]
+    ) -> AsyncIterator[PoolSession]:
+        """A sandbox held for one episode, its process started with `config` (see
+        `session.py`); given back reset, or replaced if the session killed it. Raises
+        SandboxInfraError when no sandbox is ready in time or the process does not start."""
+        if self._nursery is None:
+            raise SandboxInfraError("the sandbox pool is not open: use `async with SandboxPool()`")
+        box: Sandbox | None = None
+        with trio.move_on_after(self.config.acquire_timeout_s):
+            box = await self._ready_recv.receive()
+        if box is None:
+            raise SandboxInfraError(
+                f"no sandbox became ready within {self.config.acquire_timeout_s} s"
+                + (f"; last error: {self._last_error}" if self._last_error else "")
+            )
+        self._busy += 1
+        raw: SandboxSession | None = None
+        try:
+            if box.dirty:
+                await trio.to_thread.run_sync(box.reset)
+            raw = await trio.to_thread.run_sync(SandboxSession.start, box, list(argv), config)
+            self._counts["sessions"] += 1
+            yield PoolSession(raw, self._counts)
+        finally:
+            self._busy -= 1
+            if raw is not None:
+                raw.close()
+            self._nursery.start_soon(self._give_back, box)
+
     async def check_flaky(self, job: Job, *, runs: int = 3) -> FlakeReport:
         """Run `job` `runs` times, bypassing the cache: do the outcomes agree?"""
         if runs < 2:
@@ -441,5 +480,24 @@ class SandboxPool:
             batches=c["batches"],
             batched_jobs=c["batched_jobs"],
             checks=c["checks"],
+            sessions=c["sessions"],
+            session_requests=c["session_requests"],
             last_infra_error=self._last_error,
         )
+
+
+class PoolSession:
+    """A session held from the pool, awaitable from trio (the blocking calls run in a
+    thread)."""
+
+    def __init__(self, raw: SandboxSession, counts: collections.Counter) -> None:
+        self.raw = raw
+        self._counts = counts
+
+    @property
+    def ready(self) -> dict[str, Any]:
+        return self.raw.ready
+
+    async def request(self, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        self._counts["session_requests"] += 1
+        return await trio.to_thread.run_sync(self.raw.request, body, timeout_s)

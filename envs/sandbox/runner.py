@@ -25,7 +25,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import msgspec
 
@@ -97,6 +97,22 @@ class PoolRunner:
             duration_s=result.duration_s,
             detail=result.detail,
         )
+
+    @asynccontextmanager
+    async def session(self, argv: list[str], config: dict) -> AsyncIterator[Any]:
+        """A sandbox held for one episode (`SandboxPool.session`); RunnerInfraError when
+        none can be had."""
+        from reinforge.envs.sandbox.box import SandboxInfraError
+
+        held = self.pool.session(argv, config)
+        try:
+            session = await held.__aenter__()
+        except SandboxInfraError as exc:
+            raise RunnerInfraError(f"no sandbox session: {exc}") from exc
+        try:
+            yield session
+        finally:
+            await held.__aexit__(None, None, None)
 
     def statistics(self):
         return self.pool.statistics()

@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import socket
-import struct
 import time
 from pathlib import Path
 
 import msgspec
+from reinforge.envs.sandbox.attached import AttachedExec
 from reinforge.envs.sandbox.box import (
     WRITABLE_DIRS,
     Job,
@@ -43,7 +42,6 @@ from reinforge.envs.sandbox.box import (
     Sandbox,
     SandboxInfraError,
     classify,
-    default_podman_url,
     rss_of_host_uid,
 )
 
@@ -53,7 +51,6 @@ MAX_PAYLOAD_BYTES = 1024 * 1024
 runs as `Check.as_job`."""
 ZYGOTE_GRACE_S = 5.0
 """How long past a check's deadline the host waits for the zygote's own kill and clean-up."""
-_API = "/v4.0.0/libpod"
 
 
 class Check(msgspec.Struct, frozen=True, kw_only=True):
@@ -108,15 +105,12 @@ def run_checks(box: Sandbox, checks: list[Check]) -> list[RunResult | None]:
 class Zygote:
     """One sandbox's zygote session (see the module docstring). Not thread-safe."""
 
-    def __init__(self, box: Sandbox, sock: socket.socket, harness: bytes) -> None:
+    def __init__(self, box: Sandbox, io: AttachedExec, harness: bytes) -> None:
         self.box = box
         self.harness = harness
         self.fingerprint = self.fingerprint_of(box, harness)
         self.checks = 0
-        self._sock = sock
-        self._stdout = bytearray()
-        self._stderr = bytearray()
-        self._frames = bytearray()  # the multiplexed stream, not yet split
+        self._io = io
 
     @staticmethod
     def config_of(box: Sandbox, harness: bytes) -> bytes:
@@ -145,39 +139,22 @@ class Zygote:
     def start(cls, box: Sandbox, harness: bytes) -> Zygote:
         """Start `box`'s zygote for `harness`. Raises SandboxInfraError (box marked unhealthy)."""
         config = cls.config_of(box, harness)
-        sock = None
-        try:
-            exec_id = box.create_exec(
-                ["python3", "-I", "-B", "-c", ZYGOTE_SOURCE], {}, attach_stdin=True
-            )
-            sock = _upgrade(
-                box.config.podman_url or default_podman_url(), exec_id, box.config.api_timeout_s
-            )
-            zygote = cls(box, sock, harness)
-            zygote._send(config)
-            ready = json.loads(zygote._read_frame(time.monotonic() + box.config.api_timeout_s))
-        except (OSError, ValueError, EOFError, TimeoutError) as exc:
-            if sock is not None:
-                sock.close()
-            box.healthy = False
-            raise SandboxInfraError(
-                f"the zygote of sandbox {box.name} did not start: {exc}"
-            ) from exc
+        io, ready = AttachedExec.handshake(
+            box, ["python3", "-I", "-B", "-c", ZYGOTE_SOURCE], config, "the zygote"
+        )
+        zygote = cls(box, io, harness)
         if ready.get("ready") != hashlib.sha256(config).hexdigest() or ready.get("dirt"):
-            sock.close()
+            io.close()
             box.healthy = False
             raise SandboxInfraError(
                 f"the zygote of sandbox {box.name} is not the one asked for: {ready}; "
-                f"stderr: {bytes(zygote._stderr[-500:]).decode(errors='replace')}"
+                f"stderr: {io.stderr_tail}"
             )
         return zygote
 
     def close(self) -> None:
         """End the session: the zygote reads EOF and exits (never raises)."""
-        try:
-            self._sock.close()
-        except OSError:
-            pass
+        self._io.close()
 
     def check(self, payload: bytes, timeout_s: float) -> RunResult:
         box = self.box
@@ -188,13 +165,13 @@ class Zygote:
         why = ""
         peak_rss = 0
         try:
-            self._send(json.dumps(header).encode(), raw=payload)
+            self._io.send(json.dumps(header).encode(), raw=payload)
             deadline = t0 + timeout_s + ZYGOTE_GRACE_S
             watch = box.limits is LimitMechanism.RLIMIT and box.host_uid is not None
             while True:
                 try:
                     reply = json.loads(
-                        self._read_frame(
+                        self._io.read_frame(
                             min(deadline, time.monotonic() + box.config.memory_poll_s)
                             if watch
                             else deadline
@@ -211,8 +188,8 @@ class Zygote:
                         why = "memory"
                         break
             if not why:
-                out = self._read_frame(time.monotonic() + box.config.api_timeout_s)
-                err = self._read_frame(time.monotonic() + box.config.api_timeout_s)
+                out = self._io.read_frame(time.monotonic() + box.config.api_timeout_s)
+                err = self._io.read_frame(time.monotonic() + box.config.api_timeout_s)
         except EOFError:
             return self._died(t0)
         except (OSError, ValueError, TimeoutError) as exc:
@@ -273,78 +250,3 @@ class Zygote:
             peak_rss=0,
             detail="the zygote was killed during the check (by the candidate's code?)",
         )
-
-    # -- the connection: Docker's multiplexed stream, zygote frames on its stdout ----------
-
-    def _send(self, frame: bytes, *, raw: bytes = b"") -> None:
-        """A frame to the zygote, and `raw` bytes after it (a check's payload)."""
-        self._sock.settimeout(self.box.config.api_timeout_s)
-        self._sock.sendall(struct.pack(">I", len(frame)) + frame + raw)
-
-    def _read_frame(self, deadline: float) -> bytes:
-        """The next zygote frame on stdout. TimeoutError at `deadline`, EOFError at the end."""
-        while True:
-            if len(self._stdout) >= 4:
-                (n,) = struct.unpack(">I", self._stdout[:4])
-                if len(self._stdout) >= 4 + n:
-                    frame = bytes(self._stdout[4 : 4 + n])
-                    del self._stdout[: 4 + n]
-                    return frame
-            self._fill(deadline)
-
-    def _fill(self, deadline: float) -> None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("no answer from the zygote in time")
-        self._sock.settimeout(left)
-        try:
-            chunk = self._sock.recv(65536)
-        except TimeoutError as exc:
-            raise TimeoutError("no answer from the zygote in time") from exc
-        if not chunk:
-            raise EOFError("the zygote's session ended")
-        self._frames += chunk
-        while len(self._frames) >= 8:
-            kind, n = self._frames[0], int.from_bytes(self._frames[4:8], "big")
-            if len(self._frames) < 8 + n:
-                break
-            data = self._frames[8 : 8 + n]
-            del self._frames[: 8 + n]
-            if kind == 1:
-                self._stdout += data
-            else:
-                self._stderr = (self._stderr + data)[-4096:]
-
-
-def _upgrade(url: str, exec_id: str, timeout_s: float) -> socket.socket:
-    """Start exec `exec_id` on an upgraded API connection: a socket to its stdin and output."""
-    if not url.startswith("unix://"):
-        raise OSError(f"zygotes need a local Podman socket (unix://), not {url}")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout_s)
-    try:
-        sock.connect(url[len("unix://") :])
-        body = json.dumps({"Detach": False, "Tty": False}).encode()
-        sock.sendall(
-            (
-                f"POST {_API}/exec/{exec_id}/start HTTP/1.1\r\nHost: podman\r\n"
-                "Content-Type: application/json\r\nConnection: Upgrade\r\nUpgrade: tcp\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n"
-            ).encode()
-            + body
-        )
-        head = b""
-        while b"\r\n\r\n" not in head:
-            chunk = sock.recv(1)  # byte by byte: what follows the head is the stream
-            if not chunk:
-                raise OSError("the Podman API closed the exec connection")
-            head += chunk
-            if len(head) > 16384:
-                raise OSError("the Podman API sent an oversized response head")
-        status = head.split(b"\r\n", 1)[0]
-        if b" 101 " not in status and b" 200 " not in status:
-            raise OSError(f"the Podman API refused the exec: {head.decode(errors='replace')}")
-    except BaseException:
-        sock.close()
-        raise
-    return sock

@@ -150,3 +150,95 @@ def test_malformed_rows_are_refused_with_their_line_number(tmp_path, row, messag
     path.write_text(json.dumps(FIX_ROW) + "\n" + json.dumps(row) + "\n")
     with pytest.raises(TaskFileError, match=f"bad.jsonl:2: .*{message}"):
         TerminalDomain().load_tasks(path)
+
+
+# ----------------------------------------------------------------- episodes in one session
+
+COUNT_ROW = {
+    "instruction": "append the numbers 1 to 10 to log.txt, one per command",
+    "checks": [{"kind": "file_equals", "path": "log.txt",
+                "content": "\n".join(str(i) for i in range(1, 11))}],
+    "max_turns": 12,
+}
+
+
+class ReplayOnly:
+    """The pool's runner without its session capability: the replay path, on the same
+    sandboxes (what every step cost before sessions)."""
+
+    name = "podman"
+
+    def __init__(self, runner):
+        self.run = runner.run
+        self.check = runner.check
+
+
+def _episode(make_runner, row, steps, *, config=None, during=None, replay=False):
+    from reinforge.envs.domains.terminal import TerminalConfig
+
+    async def main():
+        async with make_runner() as runner:
+            d = TerminalDomain(config=config or TerminalConfig()).with_runner(
+                ReplayOnly(runner) if replay else runner)
+            ep = d.start_episode(d.task_from_row(row, where="t:1"))
+            obs = []
+            for i, cmd in enumerate(steps):
+                if during is not None and i == during[0]:
+                    during[1](ep)
+                obs.append(await ep.step(cmd))
+                if obs[-1][1]:
+                    break
+            verdict = await ep.finish()
+            return obs, verdict, runner.statistics()
+
+    return trio.run(main)
+
+
+@pytest.mark.podman
+def test_a_ten_turn_episode_runs_ten_commands_in_one_session_not_a_replay_of_each_prefix(
+        sandbox_runner_only):
+    steps = [f"$ echo {i} >> log.txt" for i in range(1, 11)]
+    obs, verdict, stats = _episode(sandbox_runner_only, COUNT_ROW, steps)
+    assert [o for o, _ in obs] == ["[exit 0]"] * 10
+    assert (verdict.reward, verdict.outcome) == (1.0, "pass"), verdict
+    # one session, ten steps and the final check; no job, no replay
+    assert (stats.sessions, stats.session_requests, stats.jobs) == (1, 11, 0)
+    obs, verdict, stats = _episode(sandbox_runner_only, COUNT_ROW, steps, replay=True)
+    assert (verdict.reward, stats.sessions) == (1.0, 0)
+    assert stats.jobs == 11  # a job per step, each replaying every command before it
+
+
+@pytest.mark.podman
+def test_a_hanging_and_a_flooding_command_each_end_their_step_and_the_episode_goes_on(
+        sandbox_runner_only):
+    from reinforge.envs.domains.terminal import TerminalConfig
+
+    steps = ["$ sleep 60", "$ yes | head -c 5000000", "$ echo 1 > log.txt"]
+    row = {**COUNT_ROW, "checks": [{"kind": "file_equals", "path": "log.txt", "content": "1"}]}
+    obs, verdict, stats = _episode(sandbox_runner_only, row, steps,
+                                   config=TerminalConfig(command_timeout_s=1.0))
+    assert obs[0] == ("[exit timeout]", False)
+    assert obs[1][0].endswith("[output truncated][exit 0]") and len(obs[1][0]) < 2100
+    assert obs[2] == ("[exit 0]", False)
+    assert (verdict.reward, verdict.outcome) == (1.0, "pass")
+    assert (stats.sessions, stats.sandboxes_replaced) == (1, 0)
+
+
+@pytest.mark.podman
+def test_an_episode_that_kills_its_own_session_ends_there_and_scores_zero(
+        sandbox_runner_only):
+    steps = ["$ echo 1 > log.txt", "$ kill -9 -1", "$ echo never"]
+    obs, verdict, stats = _episode(sandbox_runner_only, COUNT_ROW, steps)
+    assert obs[0] == ("[exit 0]", False)
+    assert obs[1][1] and obs[1][0].startswith("[the shell session ended: ")
+    assert len(obs) == 2  # the episode ended there
+    assert (verdict.reward, verdict.outcome) == (0.0, "error"), verdict
+
+
+@pytest.mark.podman
+def test_a_sandbox_lost_mid_episode_is_an_infrastructure_error_not_a_zero(sandbox_runner_only):
+    steps = ["$ echo 1 > log.txt", "$ echo 2 >> log.txt"]
+    kill_container = (1, lambda ep: ep._session.raw.box.kill())
+    obs, verdict, stats = _episode(sandbox_runner_only, COUNT_ROW, steps, during=kill_container)
+    assert obs[1][1] and "died" in obs[1][0]
+    assert verdict.outcome == "infra_error", verdict
