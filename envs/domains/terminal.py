@@ -36,6 +36,7 @@ import hmac
 import json
 import random
 import secrets
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -93,6 +94,11 @@ class TerminalConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Wall-clock limit of one agent command."""
     overhead_s: float = 10.0
     """Extra wall-clock per job for python start-up and the checks."""
+    episode_time_s: float = 120.0
+    """An episode's steps together may take this long in the sandbox (the model's time
+    between them not counted); the step that crosses it ends the episode."""
+    episode_output_chars: int = 20_000
+    """... and show this many characters of output in all."""
 
 
 def parse_commands(completion: str, max_turns: int) -> list[str]:
@@ -243,6 +249,8 @@ class TerminalEpisode:
         self._held = contextlib.AsyncExitStack()
         self._session: Any = None
         self._ended: Exception | None = None  # why the session is gone (SessionEnded or infra)
+        self.spent_s = 0.0  # the steps' time, against TerminalConfig.episode_time_s
+        self.output_chars = 0  # against TerminalConfig.episode_output_chars
 
     @property
     def uses_session(self) -> bool:
@@ -257,16 +265,36 @@ class TerminalEpisode:
             return "", True
         self.commands.append(cmd)
         self.done = len(self.commands) >= self.spec.max_turns
+        t0 = time.monotonic()
+        obs = await self._run(cmd)
+        return self._within_limits(obs, time.monotonic() - t0), self.done
+
+    async def _run(self, cmd: str) -> str:
         if not self.uses_session:
-            return await self.domain.run_steps(self.task, self.commands), self.done
+            return await self.domain.run_steps(self.task, self.commands)
         reply = await self._request({"op": "run", "cmd": cmd,
                                      "timeout_s": self.spec.command_timeout_s},
                                     self.spec.command_timeout_s)
         if reply is None:
             self.done = True
-            return f"[the shell session ended: {self._ended}]", True
+            return f"[the shell session ended: {self._ended}]"
         code = "timeout" if reply["exit"] is None else reply["exit"]
-        return f"{reply['output']}[exit {code}]", self.done
+        return f"{reply['output']}[exit {code}]"
+
+    def _within_limits(self, obs: str, took_s: float) -> str:
+        """Count the step against the episode's limits; the step that crosses one ends the
+        episode, and its observation says so."""
+        cfg = self.domain.config
+        self.spent_s += took_s
+        self.output_chars += len(obs)
+        if self.output_chars > cfg.episode_output_chars:
+            self.done = True
+            limit = cfg.episode_output_chars
+            return obs + f"\n[episode output limit of {limit} characters reached]"
+        if self.spent_s > cfg.episode_time_s:
+            self.done = True
+            return obs + f"\n[episode time limit of {cfg.episode_time_s:g} s reached]"
+        return obs
 
     async def finish(self) -> Verdict:
         if self.verdict is None:

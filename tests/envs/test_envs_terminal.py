@@ -189,7 +189,7 @@ def _episode(make_runner, row, steps, *, config=None, during=None, replay=False)
                 if obs[-1][1]:
                     break
             verdict = await ep.finish()
-            return obs, verdict, runner.statistics()
+            return obs, verdict, getattr(runner, "statistics", lambda: None)()
 
     return trio.run(main)
 
@@ -242,3 +242,19 @@ def test_a_sandbox_lost_mid_episode_is_an_infrastructure_error_not_a_zero(sandbo
     obs, verdict, stats = _episode(sandbox_runner_only, COUNT_ROW, steps, during=kill_container)
     assert obs[1][1] and "died" in obs[1][0]
     assert verdict.outcome == "infra_error", verdict
+
+
+@pytest.mark.parametrize("limit, steps, crossed", [
+    ({"episode_output_chars": 2500}, ["$ seq 1 400", "$ seq 1 400", "$ echo never"],
+     "[episode output limit of 2500 characters reached]"),
+    ({"episode_time_s": 1.5}, ["$ sleep 1", "$ sleep 1", "$ echo never"],
+     "[episode time limit of 1.5 s reached]"),
+])
+def test_the_step_that_crosses_an_episode_limit_ends_the_episode_and_says_so(
+        with_runner, limit, steps, crossed):
+    from reinforge.envs.domains.terminal import TerminalConfig
+
+    obs, verdict, _ = _episode(with_runner, COUNT_ROW, steps, config=TerminalConfig(**limit))
+    assert [done for _, done in obs] == [False, True]  # the third command never runs
+    assert obs[1][0].endswith("\n" + crossed)
+    assert verdict.outcome == "fail"
