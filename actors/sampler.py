@@ -57,6 +57,7 @@ from reinforge.core.messages import (
     Rollout,
     Task,
     Timings,
+    Turn,
     WeightsPublished,
     decode,
     rollout_id,
@@ -203,6 +204,8 @@ class EpisodeTrace(msgspec.Struct, kw_only=True):
     loss_mask: list[int]
     finish_reason: str
     weight_versions: list[str]
+    turns: list[Turn] = []
+    """The policy's turns: output-token spans and the version of each."""
 
 
 class SamplerActor(Actor):
@@ -508,7 +511,7 @@ class SamplerActor(Actor):
             out[i] = self._rollout(
                 msg, i, prompt_ids, ep.completion, ep.output_ids, ep.logprobs, ep.finish_reason,
                 ep.weight_versions[0] if ep.weight_versions else str(self.version),
-                queued_s, time.monotonic() - t0, loss_mask=ep.loss_mask,
+                queued_s, time.monotonic() - t0, loss_mask=ep.loss_mask, turns=ep.turns,
             )
 
         async with trio.open_nursery() as nursery:
@@ -526,7 +529,7 @@ class SamplerActor(Actor):
         episode = domain.start_episode(task)
         ids = list(prompt_ids)
         ep = EpisodeTrace(completion="", output_ids=[], logprobs=[], loss_mask=[],
-                     finish_reason="length", weight_versions=[])
+                          finish_reason="length", weight_versions=[], turns=[])
         lines: list[str] = []
         try:
             done = False
@@ -538,6 +541,11 @@ class SamplerActor(Actor):
                         raise
                     break  # the transcript outgrew the server's context: end it here
                 ep.weight_versions.append(s.weight_version)
+                if s.output_ids:
+                    ep.turns.append(Turn(
+                        start=len(ep.output_ids), end=len(ep.output_ids) + len(s.output_ids),
+                        policy_version=parse_weight_version(
+                            s.weight_version, default_version=self.config.initial_version)))
                 ids += s.output_ids
                 ep.output_ids += s.output_ids
                 ep.logprobs += s.logprobs

@@ -62,6 +62,15 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True):
     verify_s: float = 0.0
 
 
+class Turn(msgspec.Struct, frozen=True, kw_only=True):
+    """One of the policy's turns in a multi-turn rollout: output tokens [start, end)."""
+
+    start: int
+    end: int
+    policy_version: int
+    """The version that generated this turn (a later turn may come from a later one)."""
+
+
 class Rollout(_Msg, frozen=True, tag="rollout/1"):
     """One sample of one task, with what the learner needs to compute the PPO ratio."""
 
@@ -82,6 +91,30 @@ class Rollout(_Msg, frozen=True, tag="rollout/1"):
     timings: Timings = Timings()
     purpose: str = "train"
     loss_mask: list[int] = []  # per output token: 1 = the policy's, 0 = environment text
+    turns: list[Turn] = []
+    """Multi-turn only: the policy's turns in order; exactly the tokens whose loss_mask is 1."""
+
+    def __post_init__(self) -> None:
+        if self.turns:
+            check_turns(self.turns, self.loss_mask, len(self.output_ids))
+
+
+def check_turns(turns: list[Turn], loss_mask: list[int], n_tokens: int) -> None:
+    """Raise ValueError unless `turns` are ordered, disjoint, inside the output, and cover
+    exactly its policy tokens (loss_mask 1)."""
+    if len(loss_mask) != n_tokens:
+        raise ValueError(f"turns need a loss_mask per output token ({len(loss_mask)} for "
+                         f"{n_tokens} tokens)")
+    policy = [0] * n_tokens
+    last = 0
+    for t in turns:
+        if not last <= t.start < t.end <= n_tokens:
+            raise ValueError(f"turn [{t.start}, {t.end}) is out of order or outside the "
+                             f"{n_tokens} output tokens")
+        policy[t.start : t.end] = [1] * (t.end - t.start)
+        last = t.end
+    if policy != list(loss_mask):
+        raise ValueError("turns must cover exactly the tokens whose loss_mask is 1")
 
 
 class Check(msgspec.Struct, frozen=True, kw_only=True):

@@ -445,6 +445,10 @@ def test_a_terminal_task_runs_as_a_multi_turn_episode_in_the_sandbox(
             assert observations or len(commands) == 1
             assert "[sandbox unavailable" not in r.completion
             assert r.policy_version == 0
+            # one turn per command, each the policy's tokens, each from version 0
+            assert len(r.turns) == len(commands)
+            assert [t.policy_version for t in r.turns] == [0] * len(commands)
+            assert sum(t.end - t.start for t in r.turns) == sum(r.loss_mask)
 
     trio.run(main)
 

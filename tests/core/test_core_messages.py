@@ -91,3 +91,31 @@ def test_a_newer_writer_with_an_extra_trailing_field_is_still_readable():
     got = m.decode(data)
     assert isinstance(got, m.Task)
     assert (got.task_id, got.domain, got.tier, got.prompt) == ("t", "d", 1, "p")
+
+
+def _episode_rollout(**kw) -> dict:
+    """A multi-turn rollout as builtins: 2 policy tokens, 2 of the environment, 1 policy."""
+    r = m.Rollout(rollout_id="e:0:1", task_id="e", sample_index=0, domain="terminal", tier=0,
+                  prompt="p", completion="c", prompt_ids=[1], output_ids=[5, 6, 7, 8, 9],
+                  logprobs=[-0.1, -0.2, 0.0, 0.0, -0.3], loss_mask=[1, 1, 0, 0, 1],
+                  turns=[m.Turn(start=0, end=2, policy_version=3),
+                         m.Turn(start=4, end=5, policy_version=4)])
+    return {**msgspec.to_builtins(r), **kw}
+
+
+def test_a_multi_turn_rollout_carries_its_turns_and_their_versions():
+    r = m.decode(msgspec.msgpack.encode(_episode_rollout()))
+    assert [(t.start, t.end, t.policy_version) for t in r.turns] == [(0, 2, 3), (4, 5, 4)]
+
+
+@pytest.mark.parametrize("turns, why", [
+    ([{"start": 0, "end": 2, "policy_version": 3}], "cover exactly"),  # misses token 4
+    ([{"start": 0, "end": 3, "policy_version": 3}, {"start": 4, "end": 5, "policy_version": 3}],
+     "cover exactly"),  # claims an environment token
+    ([{"start": 4, "end": 5, "policy_version": 3}, {"start": 0, "end": 2, "policy_version": 3}],
+     "out of order"),
+    ([{"start": 4, "end": 9, "policy_version": 3}], "outside"),
+])
+def test_turns_that_disagree_with_the_loss_mask_are_refused_with_the_reason(turns, why):
+    with pytest.raises(m.MessageError, match=why):
+        m.decode(msgspec.msgpack.encode(_episode_rollout(turns=turns)))
