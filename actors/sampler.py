@@ -467,11 +467,13 @@ class SamplerActor(Actor):
     def _rollout(
         self, msg: Task, i: int, prompt_ids: list[int], text: str, output_ids: list[int],
         logprobs: list[float], finish_reason: str, weight_version: str, queued_s: float,
-        generate_s: float, loss_mask: list[int] | None = None,
+        generate_s: float, loss_mask: list[int] | None = None, turns: list[Turn] | None = None,
     ) -> Rollout:
         extra: dict[str, Any] = {}
-        if loss_mask is not None and "loss_mask" in Rollout.__struct_fields__:
+        if loss_mask is not None:
             extra["loss_mask"] = loss_mask
+        if turns is not None:
+            extra["turns"] = turns
         return Rollout(
             rollout_id=rollout_id(msg.task_id, i, msg.attempt),
             task_id=msg.task_id,

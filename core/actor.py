@@ -560,7 +560,10 @@ class _Runner:
             raise
         except Exception as exc:  # noqa: BLE001 - a failing handler must not kill the actor
             ctx.counts["handler_errors"] += 1
-            reason = f"handler error: {type(exc).__name__}: {exc}"
+            cause = exc
+            while isinstance(cause, BaseExceptionGroup) and len(cause.exceptions) == 1:
+                cause = cause.exceptions[0]  # name what failed, not the nurseries it crossed
+            reason = f"handler error: {type(cause).__name__}: {cause}"
             # the actor's log says why a message came back (it is retried or dead-lettered)
             print(f"{ctx.actor_id}: {d.subject} (delivery {d.num_delivered} of "
                   f"{inp.max_deliver}): {reason}", file=sys.stderr, flush=True)

@@ -66,3 +66,49 @@ def test_every_malformed_message_is_dead_lettered_and_the_actor_keeps_serving(cr
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+class _Failing(EchoActor):
+    """An echo whose handler fails inside a nursery (the error arrives wrapped in a group)."""
+
+    actor_type = "failing"
+
+    def inputs(self):
+        from reinforge.core.actor import Input
+
+        return [Input(subject=subjects.echo(self.ctx.run, "in"), handler=self.on_echo,
+                      accepts=(m.Echo,), max_deliver=2, retry_delay_s=0.05)]
+
+    async def on_echo(self, msg):
+        async def boom():
+            raise KeyError("no such key")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(boom)
+
+
+def test_a_failing_handler_is_logged_by_its_own_error_each_delivery_then_dead_lettered(
+        creds, capsys):
+    run = "fail" + uuid.uuid4().hex[:10]
+
+    async def main():
+        async with open_bus(creds) as bus, trio.open_nursery() as nursery:
+            stream = await bus.ensure_run_stream(run)
+            await nursery.start(functools.partial(
+                run_actor, _Failing, creds=creds, run=run, config=EchoConfig()))
+            await bus.publish_durable(subjects.echo(run, "in"), m.Echo(seq=1), "one")
+            async with bus.pull_consumer(stream=stream, durable="obs-dlq",
+                                         filter_subject=subjects.dlq(run)) as dlq:
+                with trio.fail_after(30):
+                    letters = []
+                    while not letters:
+                        letters = [m.decode(d.data) for d in await dlq.fetch(10, 0.2)]
+            nursery.cancel_scope.cancel()
+        return letters
+
+    [letter] = trio.run(main)
+    assert letter.reason == "handler error: KeyError: 'no such key' (after 2 deliveries)"
+    log = [ln for ln in capsys.readouterr().err.splitlines() if "handler error" in ln]
+    assert [ln.split(": ", 1)[1] for ln in log] == [
+        f"{subjects.echo(run, 'in')} (delivery {n} of 2): handler error: KeyError: 'no such key'"
+        for n in (1, 2)]
