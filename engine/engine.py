@@ -578,6 +578,7 @@ class Engine:
             if end < p:
                 continue  # more chunks to come
             self._prefilling.remove(g)
+            self._running.extend(g.seqs)  # at once: an error from here on still finishes them
             tail = p // bs
             if p % bs:  # the prompt's tail page, copied for each sample that has its own
                 pool.copy_block(g.blocks[tail], [s.blocks[tail] for s in g.seqs
@@ -593,7 +594,6 @@ class Engine:
             seqs += g.seqs
             rows.append(lg[-1:].expand(len(g.seqs), -1))
         if seqs:
-            self._running.extend(seqs)
             self._sample_and_advance(seqs, torch.cat(rows))
 
     @staticmethod

@@ -435,7 +435,11 @@ class SandboxPool:
             self._busy -= 1
             if raw is not None:
                 raw.close()
-            self._nursery.start_soon(self._give_back, box)
+            if self._nursery is not None:
+                self._nursery.start_soon(self._give_back, box)
+            else:  # the pool closed while the episode held its sandbox
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(box.close)
 
     async def check_flaky(self, job: Job, *, runs: int = 3) -> FlakeReport:
         """Run `job` `runs` times, bypassing the cache: do the outcomes agree?"""

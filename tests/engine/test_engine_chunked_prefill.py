@@ -104,3 +104,30 @@ def test_a_weight_swap_waits_for_a_prompt_being_prefilled(model, tiny_model_dir)
 def test_a_chunk_budget_of_zero_is_refused():
     with pytest.raises(ValueError, match="chunked_prefill_size"):
         EngineConfig(chunked_prefill_size=0)
+
+
+def test_a_step_failing_as_a_prompt_leaves_prefill_still_finishes_its_samples(
+        model, monkeypatch):
+    import threading
+
+    import reinforge.engine.engine as engine_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    engine, sink = make_engine(model, chunked_prefill_size=64), Collector()
+    submit(engine, sink, "x", LONG, msgspec.structs.replace(GREEDY, n=2), logprob_start_len=0)
+    monkeypatch.setattr(engine_module, "token_logprobs", broken)  # its prompt logprobs fail
+    thread = threading.Thread(target=engine.run_forever)
+    thread.start()
+    try:
+        for _ in range(200):
+            if len(sink.finals) == 2:
+                break
+            threading.Event().wait(0.05)
+    finally:
+        engine.stop()
+        thread.join(timeout=10)
+    assert {rid: u.finish_reason["status_code"] for rid, u in sink.finals.items()} == \
+        {"x-0": 500, "x-1": 500}
+    assert engine.pool.num_free == engine.pool.num_blocks

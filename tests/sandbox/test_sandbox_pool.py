@@ -125,3 +125,23 @@ def test_a_pool_that_is_not_open_reports_an_infrastructure_failure(podman_url):
 
     out = run(main)
     assert isinstance(out, InfraFailure) and "not open" in out.error
+
+
+def test_a_session_held_while_its_pool_closes_removes_its_container_on_exit(podman_url):
+    from reinforge.envs.domains.terminal import SESSION_ARGV, TerminalDomain, TerminalSpec
+
+    config = TerminalDomain().session_config(TerminalSpec(instruction="x", checks=[]))
+
+    async def main():
+        cfg = PoolConfig(sandbox=SandboxConfig(podman_url=podman_url), size=1)
+        pool = SandboxPool(cfg)
+        await pool.__aenter__()
+        async with pool.session(SESSION_ARGV, config) as session:
+            reply = await session.request({"op": "run", "cmd": "echo hi", "timeout_s": 5}, 5)
+            box = session.raw.box
+            await pool.aclose()  # e.g. the actor stops mid-episode
+        return reply, box
+
+    reply, box = run(main)
+    assert reply["output"] == "hi\n" and reply["commands"] == 1
+    assert not box.alive()  # closed on the way out, not left running
