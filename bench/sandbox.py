@@ -311,25 +311,16 @@ async def bench_checks(n_checks: int, concurrency: int, rounds: int) -> dict:
     return out
 
 
-class _ReplayOnly:
-    """The pool's runner without sessions: every step replays the episode so far."""
-
-    name = "podman"
-
-    def __init__(self, runner) -> None:
-        self.run, self.check = runner.run, runner.check
-
-
 async def bench_episodes(turn_counts: list[int], rounds: int) -> dict:
     """Sandbox seconds per turn of a terminal episode, replay path vs session path."""
     from reinforge.envs.domains.terminal import TerminalDomain
-    from reinforge.envs.sandbox.runner import PoolRunner
+    from reinforge.envs.sandbox.runner import PoolRunner, WithoutSessions
 
     out: dict = {}
     async with SandboxPool(PoolConfig(size=1, cache_entries=0)) as pool:
         assert await pool.wait_ready(120), "the pool did not warm up"
         session_runner = PoolRunner(pool)
-        runners = {"replay": _ReplayOnly(session_runner), "session": session_runner}
+        runners = {"replay": WithoutSessions(session_runner), "session": session_runner}
         for turns in turn_counts:
             row = {"instruction": "count", "max_turns": turns,
                    "checks": [{"kind": "file_exists", "path": "log.txt"}]}

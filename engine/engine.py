@@ -549,29 +549,12 @@ class Engine:
         """Store the KV of prompt tokens [start, end) of each group; a group whose prompt is
         then whole samples its n first tokens and joins the running batch."""
         bs, pool = self.config.block_size, self.pool
-        prompts = [torch.tensor(g.prompt_ids[g.start : end], dtype=torch.int64) for g, end in work]
         want = [any(s.logprob_start_len >= 0 for s in g.seqs) for g, _ in work]
-        slot_list: list[int] = []
-        for g, end in work:
-            slot_list += [g.blocks[q // bs] * bs + q % bs for q in range(g.start, end)]
-        slots = torch.tensor(slot_list, dtype=torch.int32)
-        tables = [torch.tensor(g.blocks[: math.ceil(end / bs)], dtype=torch.int32)
-                  for g, end in work]
-
-        def store(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            # attention reads the prompt's KV as stored, as decode does, so a cached prefix
-            # gives the same first token as a fresh one
-            cache = pool.caches[layer]
-            pool.ops.append(cache, k.contiguous(), v.contiguous(), slots)
-            kv = [pool.ops.gather(cache, t, end) for (_, end), t in zip(work, tables)]
-            return torch.cat([k for k, _ in kv]), torch.cat([v for _, v in kv])
-
-        logits = self.model.prefill_batch(
-            prompts, want, starts=[g.start for g, _ in work], store=store
-        )
+        logits = self._extend([(g.blocks, g.start, g.prompt_ids[g.start : end])
+                               for g, end in work], want)
         seqs: list[Sequence] = []
         rows: list[torch.Tensor] = []
-        for (g, end), tokens, lg in zip(work, prompts, logits):
+        for (g, end), lg in zip(work, logits):
             self._prompt_tokens += end - g.start
             g.start = end
             p = len(g.prompt_ids)
@@ -589,12 +572,38 @@ class Engine:
             pool.release(g.blocks)
             g.blocks = []
             for seq in g.seqs:
-                if seq.logprob_start_len >= 0:
-                    seq.input_logprobs = self._input_logprobs(seq, tokens, lg)
+                if seq.logprob_start_len >= 0:  # then it was prefilled whole, in one pass
+                    prompt = torch.tensor(g.prompt_ids, dtype=torch.int64)
+                    seq.input_logprobs = self._input_logprobs(seq, prompt, lg)
             seqs += g.seqs
             rows.append(lg[-1:].expand(len(g.seqs), -1))
         if seqs:
             self._sample_and_advance(seqs, torch.cat(rows))
+
+    def _extend(self, rows: list[tuple[list[int], int, list[int]]],
+                want: list[bool]) -> list[torch.Tensor]:
+        """One `prefill_batch` pass over the new tokens of several sequences, each row (its
+        block table, the tokens already stored, its new tokens): their K/V is stored at their
+        positions, and attention reads each sequence's K/V as stored, as decode does, so a
+        cached prefix gives the tokens a fresh one gives. Returns prefill_batch's logits."""
+        bs, pool = self.config.block_size, self.pool
+        ends = [start + len(new) for _, start, new in rows]
+        slots = torch.tensor([blocks[q // bs] * bs + q % bs
+                              for (blocks, start, _), end in zip(rows, ends)
+                              for q in range(start, end)], dtype=torch.int32)
+        tables = [torch.tensor(blocks[: math.ceil(end / bs)], dtype=torch.int32)
+                  for (blocks, _, _), end in zip(rows, ends)]
+
+        def store(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            cache = pool.caches[layer]
+            pool.ops.append(cache, k.contiguous(), v.contiguous(), slots)
+            kv = [pool.ops.gather(cache, t, end) for t, end in zip(tables, ends)]
+            return torch.cat([k for k, _ in kv]), torch.cat([v for _, v in kv])
+
+        return self.model.prefill_batch(
+            [torch.tensor(new, dtype=torch.int64) for _, _, new in rows], want,
+            starts=[start for _, start, _ in rows], store=store,
+        )
 
     @staticmethod
     def _input_logprobs(
@@ -662,27 +671,10 @@ class Engine:
     def _verify(self, drafts: dict[Sequence, list[int]]) -> None:
         """One forward pass over each sequence's last token and its draft (the prompt path:
         K/V stored, attention over them as stored); then accept per `speculative.accept`."""
-        bs, pool = self.config.block_size, self.pool
         seqs = list(drafts)
-        starts = [len(s.prompt_ids) + len(s.output_ids) - 1 for s in seqs]
-        inputs = [[s.output_ids[-1]] + drafts[s] for s in seqs]
-        ends = [st + len(x) for st, x in zip(starts, inputs)]
-        slots = torch.tensor(
-            [s.blocks[q // bs] * bs + q % bs for s, st, end in zip(seqs, starts, ends)
-             for q in range(st, end)], dtype=torch.int32)
-        tables = [torch.tensor(s.blocks[: math.ceil(end / bs)], dtype=torch.int32)
-                  for s, end in zip(seqs, ends)]
-
-        def store(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            cache = pool.caches[layer]
-            pool.ops.append(cache, k.contiguous(), v.contiguous(), slots)
-            kv = [pool.ops.gather(cache, t, end) for t, end in zip(tables, ends)]
-            return torch.cat([k for k, _ in kv]), torch.cat([v for _, v in kv])
-
-        logits = self.model.prefill_batch(
-            [torch.tensor(x, dtype=torch.int64) for x in inputs], [True] * len(seqs),
-            starts=starts, store=store,
-        )
+        logits = self._extend(
+            [(s.blocks, len(s.prompt_ids) + len(s.output_ids) - 1, [s.output_ids[-1]] + drafts[s])
+             for s in seqs], [True] * len(seqs))
         for seq, lg in zip(seqs, logits):
             p = seq.params
             lp = token_logprobs(lg, p.temperature)

@@ -211,3 +211,12 @@ class UnsafeLocalRunner:
             )
         finally:
             shutil.rmtree(work, ignore_errors=True)
+
+
+class WithoutSessions:
+    """A runner's jobs and checks without its sessions: a multi-turn episode then replays its
+    commands at every step (the path before sessions; bench/sandbox.py compares them)."""
+
+    def __init__(self, runner: CodeRunner) -> None:
+        self.name = runner.name
+        self.run, self.check = runner.run, runner.check

@@ -162,24 +162,14 @@ COUNT_ROW = {
 }
 
 
-class ReplayOnly:
-    """The pool's runner without its session capability: the replay path, on the same
-    sandboxes (what every step cost before sessions)."""
-
-    name = "podman"
-
-    def __init__(self, runner):
-        self.run = runner.run
-        self.check = runner.check
-
-
 def _episode(make_runner, row, steps, *, config=None, during=None, replay=False):
     from reinforge.envs.domains.terminal import TerminalConfig
+    from reinforge.envs.sandbox.runner import WithoutSessions
 
     async def main():
         async with make_runner() as runner:
             d = TerminalDomain(config=config or TerminalConfig()).with_runner(
-                ReplayOnly(runner) if replay else runner)
+                WithoutSessions(runner) if replay else runner)
             ep = d.start_episode(d.task_from_row(row, where="t:1"))
             obs = []
             for i, cmd in enumerate(steps):
