@@ -42,7 +42,7 @@ import msgspec
 import trio
 from reinforge.rl import checkpoint as ckpt
 from reinforge.rl.curriculum import group_has_signal
-from reinforge.rl.grpo import AdvantageNorm, is_too_stale, staleness
+from reinforge.rl.grpo import AdvantageNorm, is_too_stale, segment_staleness, staleness
 from reinforge.rl.samples import prepare_samples, sample_is_valid
 from reinforge.core import paths, subjects
 from reinforge.core.cluster import RUN_DEFAULTS
@@ -441,7 +441,7 @@ class Learner(Actor):
                     continue
                 group = self.buffer.ready.popleft()
                 samples = group.ordered()
-                versions = [s.rollout.policy_version for s in samples]
+                versions = [v for s in samples for v in s.rollout.versions()]  # every segment
                 if max(versions) > self.version:  # from a rolled-back (or foreign) policy
                     self.counters["dropped_rolled_back_groups"] += 1
                     self.counters["dropped_rolled_back_samples"] += len(samples)
@@ -501,7 +501,9 @@ class Learner(Actor):
         cfg: LearnerConfig = self.config
         self._in_flight = batch
         samples, figures = prepare_samples([g.ordered() for g in batch], cfg.advantage_norm)
-        stale = [staleness(self.version, s.policy_version) for s in samples]
+        stale = [staleness(self.version, s.policy_version) for s in samples]  # oldest segment
+        segments = segment_staleness(self.version, [s.rollout.segments() for g in batch
+                                                    for s in g.ordered()])
         with self.ctx.waiting("GRPO step (compute)"):
             step_figures = await trio.to_thread.run_sync(self.trainer.train_step, samples,
                                                          self.version)
@@ -531,7 +533,8 @@ class Learner(Actor):
         figures.update({
             "wait_s": wait_s, "checkpoint_s": time.monotonic() - t0,
             "staleness_mean": sum(stale) / max(1, len(stale)),
-            "staleness_max": float(max(stale, default=0)), "groups": float(len(batch)),
+            "staleness_max": float(max(stale, default=0)), **segments,
+            "groups": float(len(batch)),
             **self.buffer.statistics(), **{k: float(v) for k, v in self.counters.items()},
         })
         self._in_flight = []

@@ -13,7 +13,10 @@ Invariants:
     never the sampler's guess;
   * a weights change waits on `GenerationGate`: new generations are held, running ones
     finish (with the version they started on), then the server loads the checkpoint, then
-    generation resumes -- so no rollout is lost or mislabelled;
+    generation resumes -- so no rollout is lost or mislabelled. A multi-turn episode holds
+    the gate one turn at a time, so an update lands between its turns instead of waiting
+    for the episode: each turn (`Turn`) records the version that generated it, and the
+    rollout's `policy_version` is the oldest of them (a partial rollout);
   * every replica sees every version: the weights input is a core subscription without a
     queue group, the newest stored version is read at start-up, and `main()` re-reads it every
     `weights_poll_s` in case a core message was missed;
@@ -23,7 +26,7 @@ Invariants:
 Multi-turn domains (terminal): the episode runs here, one command per turn; the transcript
 (`$ cmd` lines, observations as `| ` lines) is the completion. Token-wise, output_ids are
 the whole continuation after the prompt; environment tokens carry logprob 0.0 and mask 0 in
-`loss_mask` (only stored if the Rollout struct has that field).
+`loss_mask`, the policy's tokens their behaviour logprobs and mask 1.
 """
 
 from __future__ import annotations
@@ -159,6 +162,8 @@ class SamplerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """How long a started server may take to answer /health."""
     domains: list[str] = []
     """Task domains to take, by name or glob (`gym-*`); [] = all (one input on task.*)."""
+    extra_domains: list[str] = []
+    """More domains as `NAME=MODULE:CLASS` specs (added to the built-ins and entry points)."""
     concurrency: int = 4
     """Tasks (groups) being sampled at once."""
     temperature: float = RUN_DEFAULTS.temperature
@@ -216,7 +221,7 @@ class SamplerActor(Actor):
         super().__init__(ctx, config)
         from reinforge.envs.domain import DomainRegistry
 
-        self.registry = DomainRegistry.default()
+        self.registry = DomainRegistry.default(config.extra_domains)
         self.domain_names = self.registry.resolve(config.domains, where="SamplerConfig.domains")
         self.gate = GenerationGate()
         self.client: RolloutClient | None = None
@@ -421,14 +426,10 @@ class SamplerActor(Actor):
         except RolloutRequestError as exc:
             raise Reject(f"rollout server refused the task: {exc}") from None
 
-    async def on_task(self, msg: Task) -> None:
-        if msg.group_size < 1:
-            raise Reject(f"task {msg.task_id}: group_size must be >= 1, got {msg.group_size}")
-        if msg.domain not in self.registry:
-            raise Reject(f"task {msg.task_id}: unknown domain {msg.domain!r}")
-        queued_s = max(0.0, time.time() - msg.sent_at)
-        prompt_ids = task_prompt_ids(self.tokenizer, msg.prompt,
-                                     chat_template=self.config.chat_template)
+    @contextlib.asynccontextmanager
+    async def _generation(self, msg: Task):
+        """Hold the gate for one generation (a weights update waits for it to finish) on a
+        version the task accepts."""
         with self.ctx.waiting("weights update to finish", deadline_s=600):
             gen = self.gate.generation()
             await gen.__aenter__()
@@ -438,20 +439,31 @@ class SamplerActor(Actor):
                     f"task {msg.task_id} needs policy v{msg.min_version}, serving v{self.version}",
                     delay_s=5.0,
                 )
-            t0 = time.monotonic()
-            if self.registry.get(msg.domain).multi_turn:
-                rollouts = await self._episodes(msg, prompt_ids, queued_s)
-            else:
-                samples = await self._generate(prompt_ids, self._sampling_params(msg.group_size))
-                gen_s = time.monotonic() - t0
-                rollouts = [
-                    self._rollout(msg, i, prompt_ids, s.text, s.output_ids, s.logprobs,
-                                  s.finish_reason, s.weight_version, queued_s, gen_s)
-                    for i, s in enumerate(samples)
-                ]
+            yield
         finally:
             await gen.__aexit__(None, None, None)
-        served = [r.policy_version for r in rollouts]
+
+    async def on_task(self, msg: Task) -> None:
+        if msg.group_size < 1:
+            raise Reject(f"task {msg.task_id}: group_size must be >= 1, got {msg.group_size}")
+        if msg.domain not in self.registry:
+            raise Reject(f"task {msg.task_id}: unknown domain {msg.domain!r}")
+        queued_s = max(0.0, time.time() - msg.sent_at)
+        prompt_ids = task_prompt_ids(self.tokenizer, msg.prompt,
+                                     chat_template=self.config.chat_template)
+        if self.registry.get(msg.domain).multi_turn:
+            rollouts = await self._episodes(msg, prompt_ids, queued_s)
+        else:
+            async with self._generation(msg):
+                t0 = time.monotonic()
+                samples = await self._generate(prompt_ids, self._sampling_params(msg.group_size))
+            gen_s = time.monotonic() - t0
+            rollouts = [
+                self._rollout(msg, i, prompt_ids, s.text, s.output_ids, s.logprobs,
+                              s.finish_reason, s.weight_version, queued_s, gen_s)
+                for i, s in enumerate(samples)
+            ]
+        served = [r.versions()[-1] for r in rollouts]
         if served and max(served) < self.version:
             # The rollout server restarted on its start-up weights: load the newest again.
             # (These rollouts carry the version that made them; the learner judges them.)
@@ -485,9 +497,7 @@ class SamplerActor(Actor):
             prompt_ids=list(prompt_ids),
             output_ids=list(output_ids),
             logprobs=list(logprobs),
-            policy_version=parse_weight_version(
-                weight_version, default_version=self.config.initial_version
-            ),
+            policy_version=self._version_of(weight_version),
             finish_reason=finish_reason,
             spec=dict(msg.spec),
             group_size=msg.group_size,
@@ -495,6 +505,9 @@ class SamplerActor(Actor):
             purpose=msg.purpose,
             **extra,
         )
+
+    def _version_of(self, weight_version: str) -> int:
+        return parse_weight_version(weight_version, default_version=self.config.initial_version)
 
     # -- multi-turn ---------------------------------------------------------------------
 
@@ -507,13 +520,14 @@ class SamplerActor(Actor):
         async def one(i: int) -> None:
             t0 = time.monotonic()
             ep = await self._episode(domain, msg, prompt_ids)
-            versions = set(ep.weight_versions)
-            if len(versions) > 1:  # cannot happen while the gate is held; never mislabel
-                raise Retry(f"episode of {msg.task_id} spans weight versions {versions}", 1.0)
+            # A partial rollout (turns on several versions) is labelled with its oldest turn;
+            # each turn keeps its own version and each token its own behaviour logprob.
+            versions = ([t.policy_version for t in ep.turns]
+                        or [self._version_of(v) for v in ep.weight_versions] or [self.version])
             out[i] = self._rollout(
                 msg, i, prompt_ids, ep.completion, ep.output_ids, ep.logprobs, ep.finish_reason,
-                ep.weight_versions[0] if ep.weight_versions else str(self.version),
-                queued_s, time.monotonic() - t0, loss_mask=ep.loss_mask, turns=ep.turns,
+                str(min(versions)), queued_s, time.monotonic() - t0, loss_mask=ep.loss_mask,
+                turns=ep.turns,
             )
 
         async with trio.open_nursery() as nursery:
@@ -536,8 +550,9 @@ class SamplerActor(Actor):
         try:
             done = False
             while not done:
-                try:
-                    (s,) = await self._generate(ids, self._sampling_params(1, stop=["\n"]))
+                try:  # the gate is held per turn: a weights update lands between turns
+                    async with self._generation(msg):
+                        (s,) = await self._generate(ids, self._sampling_params(1, stop=["\n"]))
                 except Reject:
                     if not lines:
                         raise
@@ -546,8 +561,7 @@ class SamplerActor(Actor):
                 if s.output_ids:
                     ep.turns.append(Turn(
                         start=len(ep.output_ids), end=len(ep.output_ids) + len(s.output_ids),
-                        policy_version=parse_weight_version(
-                            s.weight_version, default_version=self.config.initial_version)))
+                        policy_version=self._version_of(s.weight_version)))
                 ids += s.output_ids
                 ep.output_ids += s.output_ids
                 ep.logprobs += s.logprobs

@@ -85,6 +85,8 @@ class Rollout(_Msg, frozen=True, tag="rollout/1"):
     output_ids: list[int] = []
     logprobs: list[float] = []  # behaviour logprobs of output_ids, same length
     policy_version: int = 0
+    """The version that generated it; for a multi-turn rollout whose turns span a weights
+    update (a partial rollout), the oldest of its turns' versions."""
     finish_reason: str = ""
     spec: dict[str, Any] = {}
     group_size: int = 1
@@ -97,6 +99,20 @@ class Rollout(_Msg, frozen=True, tag="rollout/1"):
     def __post_init__(self) -> None:
         if self.turns:
             check_turns(self.turns, self.loss_mask, len(self.output_ids))
+            oldest = min(t.policy_version for t in self.turns)
+            if self.policy_version != oldest:
+                raise ValueError(f"a multi-turn rollout's policy_version is its oldest turn's "
+                                 f"(v{oldest}), got v{self.policy_version}")
+
+    def segments(self) -> list[tuple[int, int]]:
+        """(policy_version, policy tokens) per segment, in order: one per turn, or one for a
+        single-turn rollout."""
+        return ([(t.policy_version, t.end - t.start) for t in self.turns]
+                or [(self.policy_version, len(self.output_ids))])
+
+    def versions(self) -> list[int]:
+        """The versions that generated it, segment by segment, in order."""
+        return [v for v, _ in self.segments()]
 
 
 def check_turns(turns: list[Turn], loss_mask: list[int], n_tokens: int) -> None:

@@ -290,6 +290,20 @@ def staleness(learner_version: int, policy_version: int) -> int:
     return learner_version - policy_version
 
 
+def segment_staleness(learner_version: int,
+                      rollouts: Sequence[Sequence[tuple[int, int]]]) -> dict[str, float]:
+    """Staleness by segment: each rollout as its (policy_version, policy tokens) segments (one
+    for a single-turn rollout, one per turn for a multi-turn one, whose turns may come from
+    several versions). `staleness_token_mean` weighs each segment by its tokens;
+    `partial_rollouts` counts rollouts whose segments span more than one version."""
+    tokens = sum(n for segs in rollouts for _, n in segs)
+    weighted = sum(staleness(learner_version, v) * n for segs in rollouts for v, n in segs)
+    return {
+        "staleness_token_mean": weighted / tokens if tokens else 0.0,
+        "partial_rollouts": float(sum(len({v for v, _ in segs}) > 1 for segs in rollouts)),
+    }
+
+
 def is_too_stale(learner_version: int, policy_versions: Sequence[int], max_staleness: int) -> bool:
     """A group is dropped when any of its samples is more than `max_staleness` versions old,
     or claims a version newer than the learner's (a mislabelled or foreign rollout)."""

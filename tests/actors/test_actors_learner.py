@@ -495,6 +495,54 @@ def test_a_learner_killed_with_a_partial_group_loses_nothing_and_counts_nothing_
                                **{s.rollout.rollout_id: 1 for s in group_b}}
 
 
+def partial_group(task_id: str, rewards: list[float], versions: tuple[int, int]):
+    """A group of two-turn rollouts (policy, environment, policy tokens) whose turns come
+    from `versions`: partial rollouts that spanned a weights update."""
+    group = synthetic_group(task_id, rewards, version=min(versions), loss_mask=[1, 1, 0, 1])
+    turns = [m.Turn(start=0, end=2, policy_version=versions[0]),
+             m.Turn(start=3, end=4, policy_version=versions[1])]
+    return [msgspec.structs.replace(s, rollout=msgspec.structs.replace(s.rollout, turns=turns))
+            for s in group]
+
+
+@pytest.mark.nats
+def test_a_partial_rollout_is_judged_by_every_segment_and_its_staleness_counted_per_segment(
+    creds, run_name, tiny_model_dir, tmp_path
+):
+    cfg = make_config(tiny_model_dir, tmp_path, groups_per_version=1, max_staleness=1)
+    group_a = synthetic_group("a", [1.0, 0.0, 0.0, 1.0], version=0)
+    # labelled v0 (its oldest turn), but its second turn claims v2, which the learner (at v1)
+    # never published: dropped like any rollout of a policy it does not have
+    foreign = partial_group("foreign", [1.0, 0.0, 1.0, 0.0], versions=(0, 2))
+    partial = partial_group("p", [0.0, 1.0, 1.0, 0.0], versions=(0, 1))
+    stats: list = []
+
+    async def main():
+        async with open_bus(creds) as bus, trio.open_nursery() as nursery:
+            stream = await bus.ensure_run_stream(run_name)
+            await nursery.start(collect_stats, bus, run_name, stats)
+            await nursery.start(functools.partial(run_actor, Learner, creds=creds, run=run_name,
+                                                  config=cfg))
+            await publish(bus, run_name, group_a)
+            await wait_for_version(bus, stream, run_name, 1)
+            await publish(bus, run_name, foreign)
+            await publish(bus, run_name, partial)
+            await wait_for_version(bus, stream, run_name, 2)
+            with trio.fail_after(10):
+                while len(stats) < 2:
+                    await trio.sleep(0.1)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    figures = stats[-1].figures
+    assert figures["dropped_rolled_back_groups"] == 1.0
+    assert figures["partial_rollouts"] == 4.0
+    assert figures["staleness_max"] == 1.0  # the oldest turn, v0, at learner v1
+    # per segment: 2 tokens 1 version old, 1 token 0 versions old
+    assert figures["staleness_token_mean"] == pytest.approx(2 / 3)
+    assert stats[0].figures["partial_rollouts"] == 0.0
+
+
 @pytest.mark.nats
 @pytest.mark.slow
 def test_the_learner_follows_a_rollback_and_drops_groups_of_the_rolled_back_policy(

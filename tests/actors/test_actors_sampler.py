@@ -453,5 +453,108 @@ def test_a_terminal_task_runs_as_a_multi_turn_episode_in_the_sandbox(
     trio.run(main)
 
 
+class PacedDomain:
+    """Test domain: three-turn episodes whose second step waits until a file named `release`
+    appears in the task's `dir` (after writing `reached` there), so a test can publish new
+    weights while an episode is in the middle of its turns."""
+
+    name = "paced"
+    description = "three turns; the second waits for the test"
+    resource = "cpu"
+    multi_turn = True
+
+    def __init__(self) -> None:
+        from reinforge.envs.domain import Tier
+
+        self.tiers = (Tier(level=0, name="only", description="three turns"),)
+
+    def sample_task(self, rng, tier):
+        raise NotImplementedError("tasks come from the test")
+
+    def load_tasks(self, path):
+        raise NotImplementedError
+
+    def task_from_row(self, row, *, where):
+        raise NotImplementedError
+
+    def prompt(self, task):
+        return task.prompt
+
+    async def verify(self, task, completion):
+        from reinforge.envs.domain import Verdict
+
+        return Verdict(reward=1.0, outcome="pass")
+
+    def start_episode(self, task):
+        return PacedEpisode(Path(task.spec["dir"]))
+
+
+class PacedEpisode:
+    def __init__(self, where: Path) -> None:
+        self.where, self.steps = where, 0
+
+    async def step(self, action: str) -> tuple[str, bool]:
+        self.steps += 1
+        if self.steps == 2:
+            (self.where / "reached").touch()
+            while not (self.where / "release").exists():
+                await trio.sleep(0.05)
+        return f"step {self.steps} done", self.steps >= 3
+
+    async def finish(self):
+        return await PacedDomain().verify(None, "")
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def wait_for_file(path: Path, timeout_s: float) -> None:
+    with trio.fail_after(timeout_s):
+        while not path.exists():
+            await trio.sleep(0.05)
+
+
+@pytest.mark.nats
+@pytest.mark.slow
+def test_a_weights_update_lands_between_an_episodes_turns_and_each_turn_keeps_its_version(
+    creds, run_name, tiny_model_dir, tmp_path
+):
+    v1 = perturbed_copy(tiny_model_dir, tmp_path / "v1", seed=1)
+    pace = tmp_path / "pace"
+    pace.mkdir()
+    task = m.Task(task_id="paced0", domain="paced", tier=0, prompt="Say something.",
+                  spec={"dir": str(pace)}, group_size=1)
+    cfg = SamplerConfig(model_path=str(tiny_model_dir), temperature=0.0, max_new_tokens=6,
+                        domains=["paced"], extra_domains=["paced=test_actors_sampler:PacedDomain"],
+                        server_args=["--max-total-tokens", "8192"], weights_poll_s=30.0)
+
+    async def main():
+        async with open_bus(creds) as bus, trio.open_nursery() as nursery:
+            await bus.ensure_run_stream(run_name)
+            await nursery.start(functools.partial(
+                run_actor, SamplerActor, creds=creds, run=run_name, config=cfg,
+                runtime=RuntimeConfig(heartbeat_s=0.3)))
+            await bus.publish_durable(subjects.task(run_name, "paced"), task, msg_id="paced0")
+            await wait_for_file(pace / "reached", 120)  # the episode is between turns 2 and 3
+            await bus.publish_durable(subjects.weights(run_name),
+                                      m.WeightsPublished(version=1, path=str(v1)), "weights:1")
+            # the update does not wait for the episode (it would wait forever: the episode
+            # waits for the release below)
+            await wait_for_figure(bus, run_name, "policy_version", 1.0, 120)
+            (pace / "release").touch()
+            got = await collect_rollouts(bus, run_name, {"paced0:0:1"}, timeout_s=120,
+                                         group="paced")
+            nursery.cancel_scope.cancel()
+        r = got["paced0:0:1"]
+        assert [t.policy_version for t in r.turns] == [0, 0, 1]
+        assert r.policy_version == 0 and r.versions() == [0, 0, 1]
+        assert len(r.logprobs) == len(r.loss_mask) == len(r.output_ids)
+        assert sum(t.end - t.start for t in r.turns) == sum(r.loss_mask)
+        assert [ln for ln in r.completion.splitlines() if ln.startswith("| ")] == [
+            f"| step {i} done" for i in (1, 2, 3)]
+
+    trio.run(main)
+
+
 def test_the_module_runs_under_the_same_python():
     assert server_command(SamplerConfig(model_path="/m").server_spec(), "/p")[0] == sys.executable

@@ -98,7 +98,7 @@ def _episode_rollout(**kw) -> dict:
     r = m.Rollout(rollout_id="e:0:1", task_id="e", sample_index=0, domain="terminal", tier=0,
                   prompt="p", completion="c", prompt_ids=[1], output_ids=[5, 6, 7, 8, 9],
                   logprobs=[-0.1, -0.2, 0.0, 0.0, -0.3], loss_mask=[1, 1, 0, 0, 1],
-                  turns=[m.Turn(start=0, end=2, policy_version=3),
+                  policy_version=3, turns=[m.Turn(start=0, end=2, policy_version=3),
                          m.Turn(start=4, end=5, policy_version=4)])
     return {**msgspec.to_builtins(r), **kw}
 
@@ -106,6 +106,15 @@ def _episode_rollout(**kw) -> dict:
 def test_a_multi_turn_rollout_carries_its_turns_and_their_versions():
     r = m.decode(msgspec.msgpack.encode(_episode_rollout()))
     assert [(t.start, t.end, t.policy_version) for t in r.turns] == [(0, 2, 3), (4, 5, 4)]
+    assert r.versions() == [3, 4] and r.policy_version == 3
+
+
+def test_a_partial_rollout_is_labelled_with_its_oldest_turn_and_a_single_turn_with_its_own():
+    with pytest.raises(m.MessageError, match=r"oldest turn's \(v3\), got v4"):
+        m.decode(msgspec.msgpack.encode(_episode_rollout(policy_version=4)))
+    single = m.Rollout(rollout_id="s:0:1", task_id="s", sample_index=0, domain="math", tier=0,
+                       prompt="p", completion="c", policy_version=7)
+    assert single.versions() == [7]
 
 
 @pytest.mark.parametrize("turns, why", [

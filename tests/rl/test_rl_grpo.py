@@ -136,6 +136,14 @@ def test_staleness_filtering_drops_groups_older_than_the_cap_and_future_versions
     assert grpo.is_too_stale(3, [4], max_staleness=10)  # claims a version not yet published
 
 
+def test_staleness_is_counted_per_segment_weighted_by_its_tokens():
+    single, partial = [(5, 10)], [(4, 2), (6, 6)]  # a partial rollout: turns at v4 and v6
+    figures = grpo.segment_staleness(7, [single, partial])
+    # (2*10 + 3*2 + 1*6) / 18 tokens
+    assert figures == {"staleness_token_mean": pytest.approx(32 / 18), "partial_rollouts": 1.0}
+    assert grpo.segment_staleness(7, []) == {"staleness_token_mean": 0.0, "partial_rollouts": 0.0}
+
+
 # ----------------------------------------------------------------------------- TIS, gaps
 
 
