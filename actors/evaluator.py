@@ -32,6 +32,7 @@ the regression guard that rolls a bad version back.
 
 from __future__ import annotations
 
+import functools
 import sys
 import tempfile
 import time
@@ -48,6 +49,7 @@ from reinforge.rl.evalsets import (
     modal_references,
     require_clean,
 )
+from reinforge.rl.episodes import domain_tools, run_episode
 from reinforge.rl.prompts import task_prompt_ids
 from reinforge.rl.scoring import DomainScore, answer_signature, drop_test, score_domain
 from reinforge.core import paths, subjects
@@ -56,6 +58,7 @@ from reinforge.core.atomic import write_json_atomic
 from reinforge.core.messages import EvalStats, Rollback, Task, WeightsPublished, decode
 from reinforge.engine.tokenizer import load_tokenizer
 from reinforge.envs.domain import TaskSpec
+from reinforge.envs.tools import episode_counts
 
 
 class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -144,7 +147,9 @@ class VersionGone(Exception):
 
 
 class CompletionSource(Protocol):
-    async def complete(self, task: TaskSpec, n: int) -> list[str]: ...
+    async def complete(self, task: TaskSpec, n: int, domain: Any) -> list[str]:
+        """`n` completions of `task`; for a multi-turn `domain`, `n` episodes' transcripts."""
+        ...
 
 
 async def evaluate_sets(
@@ -167,15 +172,19 @@ async def evaluate_sets(
     results: dict[str, list[list[bool | None]]] = {d: [[] for _ in ts] for d, ts in sets.items()}
     answers: dict[str, list[str]] = {d: [] for d in sets}
     rejected: dict[str, int] = dict.fromkeys(sets, 0)
+    episodes: dict[str, list[tuple[int, int, int]]] = {d: [] for d in sets}
 
     async def one(name: str, i: int, task: TaskSpec) -> None:
         async with limiter:
             try:
-                completions = await source.complete(task, samples)
+                completions = await source.complete(task, samples, domains[name])
             except RolloutRequestError:
                 rejected[name] += 1
                 results[name][i] = [False] * samples
                 return
+            tools = domain_tools(domains[name])
+            if tools:
+                episodes[name] += [episode_counts(text, tools) for text in completions]
             row: list[bool | None] = []
             for text in completions:
                 verdict = await domains[name].verify(task, text)
@@ -189,9 +198,21 @@ async def evaluate_sets(
             for name, tasks in sets.items():
                 for i, task in enumerate(tasks):
                     nursery.start_soon(one, name, i, task)
-    return {name: score_domain(name, rows, k, rejected_tasks=rejected[name],
-                               task_ids=[t.task_id for t in sets[name]], answers=answers[name])
+    return {name: with_episode_figures(
+                score_domain(name, rows, k, rejected_tasks=rejected[name],
+                             task_ids=[t.task_id for t in sets[name]], answers=answers[name]),
+                episodes[name])
             for name, rows in results.items()}
+
+
+def with_episode_figures(score: DomainScore, counts: list[tuple[int, int, int]]) -> DomainScore:
+    """The score with its tool episodes' turns per episode and malformed-call rate."""
+    if not counts:
+        return score
+    calls = sum(c + e for _, c, e in counts)
+    return msgspec.structs.replace(
+        score, turns_mean=sum(t for t, _, _ in counts) / len(counts),
+        tool_call_error_rate=sum(e for _, _, e in counts) / calls if calls else 0.0)
 
 
 async def answer_prior(
@@ -319,13 +340,40 @@ class ServerSource:
                        "top_p": top_p}
         self.chat_template = chat_template
 
-    def prompt_ids(self, prompt: str) -> list[int]:
-        return task_prompt_ids(self.tokenizer, prompt, chat_template=self.chat_template)
+    def prompt_ids(self, prompt: str, tools: Sequence[Any] = ()) -> list[int]:
+        return task_prompt_ids(self.tokenizer, prompt, chat_template=self.chat_template,
+                               tools=tools)
 
-    async def complete(self, task: TaskSpec, n: int) -> list[str]:
-        samples = await self.client.generate(
-            input_ids=self.prompt_ids(task.prompt), sampling_params={**self.params, "n": n})
-        return [s.text for s in samples]
+    async def complete(self, task: TaskSpec, n: int, domain: Any) -> list[str]:
+        ids = self.prompt_ids(task.prompt, domain_tools(domain))
+        if not getattr(domain, "multi_turn", False):
+            samples = await self.client.generate(
+                input_ids=ids, sampling_params={**self.params, "n": n})
+            return [s.text for s in samples]
+        out = [""] * n
+
+        async def play(i: int) -> None:  # an episode, as the sampler runs it
+            trace = await run_episode(domain, task, ids, tokenizer=self.tokenizer,
+                                      generate=functools.partial(self._turn, len(ids)),
+                                      version_of=lambda v: 0, chat_template=self.chat_template)
+            out[i] = trace.completion
+
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(play, i)
+        return out
+
+    async def _turn(self, n_prompt: int, ids: list[int], stop: list[str]) -> Any:
+        from reinforge.rollout.client import RolloutRequestError
+
+        try:
+            (s,) = await self.client.generate(
+                input_ids=ids, sampling_params={**self.params, "n": 1, "stop": stop})
+        except RolloutRequestError:
+            if len(ids) == n_prompt:
+                raise  # the task's own prompt is refused: counted as rejected
+            return None  # the transcript outgrew the context: the episode ends there
+        return s
 
 
 # ----------------------------------------------------------------------------- the actor

@@ -48,6 +48,7 @@ from reinforge.rollout.client import (
     Sample,
     parse_weight_version,
 )
+from reinforge.rl.episodes import EpisodeTrace, domain_tools, run_episode
 from reinforge.rl.prompts import task_prompt_ids
 from reinforge.rollout.server import BACKENDS, ServerProcess, ServerSpec
 from reinforge.envs.sandbox.owned import hold_sandbox_runner, sandbox_labels
@@ -60,7 +61,6 @@ from reinforge.core.messages import (
     Rollout,
     Task,
     Timings,
-    Turn,
     WeightsPublished,
     decode,
     rollout_id,
@@ -200,19 +200,6 @@ class SamplerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                           initial_version=self.initial_version, server_args=self.server_args)
 
 
-class EpisodeTrace(msgspec.Struct, kw_only=True):
-    """A finished multi-turn episode, token by token."""
-
-    completion: str
-    output_ids: list[int]
-    logprobs: list[float]
-    loss_mask: list[int]
-    finish_reason: str
-    weight_versions: list[str]
-    turns: list[Turn] = []
-    """The policy's turns: output-token spans and the version of each."""
-
-
 class SamplerActor(Actor):
     actor_type = "sampler"
     Config = SamplerConfig
@@ -234,6 +221,8 @@ class SamplerActor(Actor):
         self.samples = 0
         self.tasks_done = 0
         self.reloads = 0
+        self.tool_calls = 0
+        self.tool_call_errors = 0
         self.weight_load_errors = 0
         self.last_weight_error = ""
         self.started = time.monotonic()
@@ -281,6 +270,8 @@ class SamplerActor(Actor):
             "generations_held": float(gate.held),
             "weights_drain_s": gate.drain_s,
             "weights_gate_closed_s": gate.closed_s,
+            "tool_calls": float(self.tool_calls),
+            "tool_call_errors": float(self.tool_call_errors),
         }
 
     async def setup(self) -> None:
@@ -450,7 +441,8 @@ class SamplerActor(Actor):
             raise Reject(f"task {msg.task_id}: unknown domain {msg.domain!r}")
         queued_s = max(0.0, time.time() - msg.sent_at)
         prompt_ids = task_prompt_ids(self.tokenizer, msg.prompt,
-                                     chat_template=self.config.chat_template)
+                                     chat_template=self.config.chat_template,
+                                     tools=domain_tools(self.registry.get(msg.domain)))
         if self.registry.get(msg.domain).multi_turn:
             rollouts = await self._episodes(msg, prompt_ids, queued_s)
         else:
@@ -479,13 +471,9 @@ class SamplerActor(Actor):
     def _rollout(
         self, msg: Task, i: int, prompt_ids: list[int], text: str, output_ids: list[int],
         logprobs: list[float], finish_reason: str, weight_version: str, queued_s: float,
-        generate_s: float, loss_mask: list[int] | None = None, turns: list[Turn] | None = None,
+        generate_s: float, **multi_turn: Any,
     ) -> Rollout:
-        extra: dict[str, Any] = {}
-        if loss_mask is not None:
-            extra["loss_mask"] = loss_mask
-        if turns is not None:
-            extra["turns"] = turns
+        """`multi_turn`: an episode's loss_mask, turns and tool-call counts."""
         return Rollout(
             rollout_id=rollout_id(msg.task_id, i, msg.attempt),
             task_id=msg.task_id,
@@ -503,7 +491,7 @@ class SamplerActor(Actor):
             group_size=msg.group_size,
             timings=Timings(queued_s=queued_s, generate_s=generate_s),
             purpose=msg.purpose,
-            **extra,
+            **multi_turn,
         )
 
     def _version_of(self, weight_version: str) -> int:
@@ -527,8 +515,10 @@ class SamplerActor(Actor):
             out[i] = self._rollout(
                 msg, i, prompt_ids, ep.completion, ep.output_ids, ep.logprobs, ep.finish_reason,
                 str(min(versions)), queued_s, time.monotonic() - t0, loss_mask=ep.loss_mask,
-                turns=ep.turns,
+                turns=ep.turns, tool_calls=ep.tool_calls, tool_call_errors=ep.tool_call_errors,
             )
+            self.tool_calls += ep.tool_calls
+            self.tool_call_errors += ep.tool_call_errors
 
         async with trio.open_nursery() as nursery:
             for i in range(msg.group_size):
@@ -542,48 +532,19 @@ class SamplerActor(Actor):
             task_id=msg.task_id, domain=msg.domain, tier=msg.tier, prompt=msg.prompt,
             spec=dict(msg.spec),
         )
-        episode = domain.start_episode(task)
-        ids = list(prompt_ids)
-        ep = EpisodeTrace(completion="", output_ids=[], logprobs=[], loss_mask=[],
-                          finish_reason="length", weight_versions=[], turns=[])
-        lines: list[str] = []
-        try:
-            done = False
-            while not done:
-                try:  # the gate is held per turn: a weights update lands between turns
-                    async with self._generation(msg):
-                        (s,) = await self._generate(ids, self._sampling_params(1, stop=["\n"]))
-                except Reject:
-                    if not lines:
-                        raise
-                    break  # the transcript outgrew the server's context: end it here
-                ep.weight_versions.append(s.weight_version)
-                if s.output_ids:
-                    ep.turns.append(Turn(
-                        start=len(ep.output_ids), end=len(ep.output_ids) + len(s.output_ids),
-                        policy_version=self._version_of(s.weight_version)))
-                ids += s.output_ids
-                ep.output_ids += s.output_ids
-                ep.logprobs += s.logprobs
-                ep.loss_mask += [1] * len(s.output_ids)
-                action = s.text.strip().splitlines()[0] if s.text.strip() else ""
-                action = action[2:] if action.startswith("$ ") else action
-                lines.append(f"$ {action}")
-                with self.ctx.waiting(f"{msg.domain} step of {msg.task_id}", deadline_s=300):
-                    obs, done = await episode.step(action)
-                if done and not obs:
-                    ep.finish_reason = "stop"
-                    break
-                obs_text = "".join(f"| {ln}\n" for ln in obs.splitlines()) or "|\n"
-                lines.append(obs_text.rstrip("\n"))
-                env_ids = list(self.tokenizer.encode("\n" + obs_text, add_special_tokens=False))
-                ids += env_ids
-                ep.output_ids += env_ids
-                ep.logprobs += [0.0] * len(env_ids)
-                ep.loss_mask += [0] * len(env_ids)
-        finally:
-            await episode.aclose()
-        ep.completion = "\n".join(lines) + "\n"
-        return ep
 
+        async def generate(ids: list[int], stop: list[str]) -> Sample | None:
+            try:  # the gate is held per turn: a weights update lands between turns
+                async with self._generation(msg):
+                    (s,) = await self._generate(ids, self._sampling_params(1, stop=stop))
+            except Reject:
+                if len(ids) == len(prompt_ids):
+                    raise
+                return None  # the transcript outgrew the server's context: end it here
+            return s
 
+        return await run_episode(
+            domain, task, prompt_ids, tokenizer=self.tokenizer, generate=generate,
+            version_of=self._version_of, chat_template=self.config.chat_template,
+            step_context=lambda: self.ctx.waiting(f"{msg.domain} step of {msg.task_id}",
+                                                  deadline_s=300))

@@ -95,6 +95,9 @@ class Rollout(_Msg, frozen=True, tag="rollout/1"):
     loss_mask: list[int] = []  # per output token: 1 = the policy's, 0 = environment text
     turns: list[Turn] = []
     """Multi-turn only: the policy's turns in order; exactly the tokens whose loss_mask is 1."""
+    tool_calls: int = 0
+    """Tool episodes: the tool calls made, and those malformed (answered with the error)."""
+    tool_call_errors: int = 0
 
     def __post_init__(self) -> None:
         if self.turns:

@@ -222,6 +222,7 @@ BUILTIN_DOMAINS: tuple[tuple[str, str], ...] = (
     ("code", "reinforge.envs.domains.code:CodeDomain"),
     ("docqa", "reinforge.envs.domains.docqa:DocQADomain"),
     ("terminal", "reinforge.envs.domains.terminal:TerminalDomain"),
+    ("python_tool", "reinforge.envs.domains.python_tool:PythonToolDomain"),
     ("judge", "reinforge.envs.domains.judge:JudgeDomain"),
 )
 

@@ -1,7 +1,8 @@
 """Terminal: multi-turn tasks in a sandboxed shell; the final state is checked.
 
-The policy issues shell commands one at a time and sees each one's output; when it
-says `exit` (or runs out of turns) the final state is checked: files created with
+The policy calls the `bash` tool, one command per turn (`envs/tools.py`: tool calls in the
+model's own chat format), and sees each one's output; when it answers without a call, runs
+`exit` or runs out of turns, the final state is checked: files created with
 the right content, files moved or deleted, unit tests passing after a fix. The checks
 are hidden: they travel to `terminal_driver.py` on its stdin and live only in its
 (non-dumpable) memory; test files the agent can see may be edited freely, the
@@ -14,8 +15,10 @@ commands once in a fresh sandbox (the state is a pure function of the command li
 crash loses nothing); commands whose output is nondeterministic (dates, random numbers) may
 show different output on replay. Runners without sessions replay every step.
 
-Completion format for `verify`: one command per line, each starting with `$ ` (lines
-without it are ignored if any line has it, e.g. echoed observations); `exit` ends.
+Completion formats for `verify`: a tool episode's transcript (the commands are the `bash`
+calls of its turns, read by the same parser as the live episode); the policy's tool calls
+written in one go; or one command per line, each starting with `$ ` (lines without it are
+ignored if any line has it, e.g. echoed observations), `exit` ending.
 
 JSONL row schema (`TerminalRow`):
 
@@ -45,11 +48,30 @@ import msgspec
 from reinforge.envs.sandbox.runner import CodeRunner, RunnerInfraError
 from reinforge.envs.domain import Check, TaskSpec, Tier, Verdict, check_tier, infra_error
 from reinforge.envs.tasksets import decode_row, load_jsonl
+from reinforge.envs.tools import (
+    CALL_OPEN,
+    MalformedToolCall,
+    Tool,
+    ToolCall,
+    TranscriptTurn,
+    decode_transcript,
+    encode_transcript,
+    parse_tool_call,
+    policy_turns,
+    render_call,
+)
 
 DRIVER_PATH = Path(__file__).with_name("terminal_driver.py")
 HARNESS_PATH = Path(__file__).with_name("code_harness.py")
 SESSION_ARGV = ["python3", "-I", "-B", "-c", DRIVER_PATH.read_text(encoding="utf-8"), "--session"]
 EXIT_WORDS = ("exit", "submit", "done", "logout")
+BASH = Tool(
+    name="bash",
+    description="Run one shell command in the task directory; returns its output and its "
+    "exit status.",
+    parameters={"type": "object", "properties": {"command": {
+        "type": "string", "description": "the shell command"}}, "required": ["command"]},
+)
 
 
 class StateCheck(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -102,16 +124,34 @@ class TerminalConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def parse_commands(completion: str, max_turns: int) -> list[str]:
-    """The commands of a transcript (see the module docstring), at most `max_turns`."""
-    lines = completion.splitlines()
-    marked = [ln[2:] for ln in lines if ln.startswith("$ ")]
-    commands = marked if marked else [ln for ln in lines if ln.strip()]
+    """The commands of a completion (see the module docstring), at most `max_turns`."""
+    if CALL_OPEN in completion or decode_transcript(completion) is not None:
+        commands = tool_commands(policy_turns(completion), max_turns)
+    else:
+        lines = completion.splitlines()
+        marked = [ln[2:] for ln in lines if ln.startswith("$ ")]
+        commands = marked if marked else [ln for ln in lines if ln.strip()]
     out = []
     for cmd in commands:
         if cmd.strip().lower() in EXIT_WORDS:
             break
         out.append(cmd)
     return out[:max_turns]
+
+
+def tool_commands(turns: list[str], max_turns: int) -> list[str]:
+    """The `bash` commands of a tool episode's first `max_turns` turns, as the live episode
+    ran them: a malformed call runs nothing, a turn without a call ends the episode."""
+    out = []
+    for text in turns[:max_turns]:
+        try:
+            call = parse_tool_call(text, (BASH,))
+        except MalformedToolCall:
+            continue
+        if call is None:
+            break
+        out.append(call.arguments["command"])
+    return out
 
 
 # ---------------------------------------------------------------- generator
@@ -150,8 +190,8 @@ def _sig(entry: str, n: int) -> str:
     return ", ".join(["a", "b"][:n]) if n == 2 else "n"
 
 
-def generate(rng: random.Random, tier: int) -> tuple[TerminalSpec, str]:
-    """(spec, reference transcript) for a tier; pure given the rng state."""
+def generate(rng: random.Random, tier: int) -> tuple[TerminalSpec, list[str]]:
+    """(spec, the reference's commands) for a tier; pure given the rng state."""
     if tier == 0:
         name, word = rng.choice(_NAMES), rng.choice(_WORDS)
         spec = TerminalSpec(
@@ -159,7 +199,7 @@ def generate(rng: random.Random, tier: int) -> tuple[TerminalSpec, str]:
             checks=[StateCheck(kind="file_equals", path=f"{name}.txt", content=word)],
             max_turns=4,
         )
-        return spec, f"$ echo {word} > {name}.txt\n$ exit"
+        return spec, [f"echo {word} > {name}.txt"]
     if tier == 1:
         if rng.random() < 0.5:
             d = rng.choice(("archive", "backup", "docs", "old"))
@@ -173,7 +213,7 @@ def generate(rng: random.Random, tier: int) -> tuple[TerminalSpec, str]:
                 ],
                 max_turns=6,
             )
-            return spec, f"$ mkdir {d}\n$ mv notes.txt {d}/\n$ exit"
+            return spec, [f"mkdir {d}", f"mv notes.txt {d}/"]
         k = rng.randint(2, 9)
         log = "".join(f"event {rng.randint(100, 999)}\n" for _ in range(k))
         spec = TerminalSpec(
@@ -182,7 +222,7 @@ def generate(rng: random.Random, tier: int) -> tuple[TerminalSpec, str]:
             checks=[StateCheck(kind="file_equals", path="count.txt", content=str(k))],
             max_turns=6,
         )
-        return spec, "$ wc -l < log.txt > count.txt\n$ exit"
+        return spec, ["wc -l < log.txt > count.txt"]
     if tier == 2:
         module, entry, buggy, _, sed, cases = rng.choice(_BUGS)
         n = len(cases[0][0])
@@ -203,7 +243,7 @@ def generate(rng: random.Random, tier: int) -> tuple[TerminalSpec, str]:
             checks=[StateCheck(kind="python_tests", path=module, entry_point=entry, test=hidden)],
             max_turns=8,
         )
-        return spec, f"$ sed -i '{sed}' {module}\n$ python3 test_{module}\n$ exit"
+        return spec, [f"sed -i '{sed}' {module}"]
     if tier == 3:
         nums = [rng.randint(-50, 200) for _ in range(rng.randint(3, 8))]
         spec = TerminalSpec(
@@ -216,18 +256,24 @@ def generate(rng: random.Random, tier: int) -> tuple[TerminalSpec, str]:
             ],
             max_turns=8,
         )
-        return spec, (
-            "$ awk '{s += $1} END {print s}' numbers.txt > total.txt\n$ rm numbers.txt\n$ exit"
-        )
+        return spec, ["awk '{s += $1} END {print s}' numbers.txt > total.txt", "rm numbers.txt"]
     raise ValueError(f"terminal has tiers 0..3, got {tier}")
+
+
+def reference_transcript(commands: list[str]) -> str:
+    """A known-good tool episode: one `bash` call per command (each silent, exit 0), then
+    the final answer."""
+    turns = [TranscriptTurn(text=render_call(ToolCall(name=BASH.name, arguments={"command": c})),
+                            observation="[exit 0]") for c in commands]
+    return encode_transcript([*turns, TranscriptTurn(text="Done.")])
 
 
 def build_prompt(spec: TerminalSpec) -> str:
     files = ", ".join(sorted(spec.files)) or "no files"
     return (
         f"Shell task. The directory has: {files}. {spec.instruction}\n"
-        "Reply with one shell command per line, each starting with '$ '; write '$ exit' "
-        "when done."
+        "Run shell commands with the bash tool, one call per turn; when the task is done, "
+        "reply without a tool call."
     )
 
 
@@ -251,6 +297,14 @@ class TerminalEpisode:
         self._ended: Exception | None = None  # why the session is gone (SessionEnded or infra)
         self.spent_s = 0.0  # the steps' time, against TerminalConfig.episode_time_s
         self.output_chars = 0  # against TerminalConfig.episode_output_chars
+
+    @property
+    def max_turns(self) -> int:
+        return self.spec.max_turns
+
+    async def step_call(self, call: ToolCall) -> tuple[str, bool]:
+        """One `bash` call (the tool protocol); see `step`."""
+        return await self.step(call.arguments["command"])
 
     @property
     def uses_session(self) -> bool:
@@ -346,6 +400,7 @@ class TerminalDomain:
     description = "multi-turn shell tasks in the sandbox; the final file state is checked"
     resource = "sandbox"
     multi_turn = True
+    tools = (BASH,)
     tiers = (
         Tier(level=0, name="create-file", description="create one file with given content"),
         Tier(level=1, name="move-or-count", description="mkdir + mv, or count lines into a file"),
@@ -365,7 +420,7 @@ class TerminalDomain:
 
     def sample_task(self, rng: random.Random, tier: int) -> TaskSpec:
         check_tier(self, tier)
-        spec, reference = generate(rng, tier)
+        spec, commands = generate(rng, tier)
         spec = msgspec.structs.replace(spec, command_timeout_s=self.config.command_timeout_s)
         return TaskSpec(
             task_id=f"terminal-t{tier}-{rng.getrandbits(48):012x}",
@@ -373,7 +428,7 @@ class TerminalDomain:
             tier=tier,
             prompt=build_prompt(spec),
             spec=msgspec.to_builtins(spec),
-            reference=reference,
+            reference=reference_transcript(commands),
             source="generated",
         )
 

@@ -113,6 +113,7 @@ async def _eval(args: argparse.Namespace, domains: list[str], samples: int, held
     from reinforge.engine.tokenizer import load_tokenizer
     from reinforge.rollout.client import RolloutClient, RolloutServerUnavailable
     from reinforge.envs.domain import DomainRegistry
+    from reinforge.rl.episodes import domain_tools
 
     from reinforge.cli import UserError
 
@@ -167,6 +168,8 @@ async def _eval(args: argparse.Namespace, domains: list[str], samples: int, held
               f"tasks {s.n_tasks}  samples {s.samples}  run std {s.run_std:.3f}  "
               f"infra errors {s.infra_errors}  refused {s.rejected_tasks}  "
               f"modal answer {s.answer_mode_share:.2f}"
+              + (f"  turns {s.turns_mean:.2f}  tool-call errors {s.tool_call_error_rate:.2f}"
+                 if domain_tools(doms[d]) else "")
               + (f"  constant answer's pass@1 {prior_p1[d]:.3f}" if d in prior else ""),
               file=out)
     result = {
@@ -177,6 +180,9 @@ async def _eval(args: argparse.Namespace, domains: list[str], samples: int, held
                         "infra_errors": s.infra_errors, "rejected_tasks": s.rejected_tasks,
                         "task_pass_at_1": s.task_pass_at_1,
                         "answer_mode_share": s.answer_mode_share,
+                        **({"turns_mean": s.turns_mean,
+                            "tool_call_error_rate": s.tool_call_error_rate}
+                           if domain_tools(doms[d]) else {}),
                         **({"prior_pass_at_1": prior_p1[d], "prior_task_pass": prior[d]}
                            if d in prior else {})}
                     for d, s in scores.items()},

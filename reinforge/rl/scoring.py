@@ -52,6 +52,10 @@ class DomainScore(msgspec.Struct, frozen=True, kw_only=True):
     """Share of the samples whose final answer (`answer_signature`) is the most common one:
     near 1.0, the policy gives one answer whatever the task asks, having collapsed onto the
     answer prior (`actors.evaluator.answer_prior` scores that constant answer)."""
+    turns_mean: float = 0.0
+    """Tool domains: the policy's turns per episode."""
+    tool_call_error_rate: float = 0.0
+    """Tool domains: malformed tool calls among all tool calls (well-formed or not)."""
 
     def figures(self) -> dict[str, float]:
         return {
@@ -62,6 +66,8 @@ class DomainScore(msgspec.Struct, frozen=True, kw_only=True):
             "infra_errors": float(self.infra_errors),
             "rejected_tasks": float(self.rejected_tasks),
             "answer_mode_share": self.answer_mode_share,
+            "turns_mean": self.turns_mean,
+            "tool_call_error_rate": self.tool_call_error_rate,
         }
 
 

@@ -23,7 +23,9 @@ from typing import Any
 
 import msgspec
 from reinforge.rl import checkpoint as ckpt
-from reinforge.rl.prompts import task_prompt_ids
+from reinforge.envs.tools import Tool, TranscriptTurn, decode_transcript
+from reinforge.rl.episodes import domain_tools
+from reinforge.rl.prompts import observation_ids, task_prompt_ids
 
 SFT_FORMAT = "reinforge-sft/2"  # 2: prompts through the chat template, as RL sees them
 
@@ -62,6 +64,10 @@ class SFTConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 class Demo(msgspec.Struct, frozen=True):
     prompt: str
     response: str
+    """The answer; for a tool domain, the episode's transcript (`envs.tools`), trained
+    turn by turn with the observations as context."""
+    tools: list[Tool] = []
+    """The tools the prompt presents (a tool domain's)."""
 
 
 def demos_from_domains(domains: tuple[str, ...], tiers: tuple[int, ...], n: int,
@@ -86,7 +92,7 @@ def demos_from_domains(domains: tuple[str, ...], tiers: tuple[int, ...], n: int,
         task = domain.sample_task(rng, tier)
         attempts += 1
         if task.reference:
-            out.append(Demo(task.prompt, task.reference))
+            out.append(Demo(task.prompt, task.reference, list(domain_tools(domain))))
         elif attempts > 10 * n:
             raise ValueError(f"sft: domain {domain.name!r} gives no reference completions")
     return out
@@ -108,12 +114,26 @@ def demos_from_jsonl(path: str | Path) -> list[Demo]:
     return out
 
 
-def encode_demo(tokenizer: Any, demo: Demo, *, chat_template: bool = True) -> tuple[list[int], int]:
-    """(prompt ids + response ids + EOS, number of prompt tokens). The prompt is built as
-    the sampler and the evaluator build it, so SFT trains the format RL shows."""
-    prompt = task_prompt_ids(tokenizer, demo.prompt, chat_template=chat_template)
-    response = tokenizer.encode(demo.response, add_special_tokens=False)
-    return prompt + response + [tokenizer.eos_token_id], len(prompt)
+def encode_demo(tokenizer: Any, demo: Demo, *,
+                chat_template: bool = True) -> tuple[list[int], list[int]]:
+    """(ids, mask): the prompt, then the response and EOS (mask 1, trained). A transcript
+    response is laid out as a tool episode is (`rl.episodes`): each turn and its EOS
+    trained, each observation between turns context only. The prompt is built as the
+    sampler and the evaluator build it, so SFT trains the format RL shows."""
+    ids = task_prompt_ids(tokenizer, demo.prompt, chat_template=chat_template,
+                          tools=demo.tools)
+    mask = [0] * len(ids)
+    turns = decode_transcript(demo.response) or [TranscriptTurn(text=demo.response)]
+    for i, turn in enumerate(turns):
+        said = [*tokenizer.encode(turn.text, add_special_tokens=False), tokenizer.eos_token_id]
+        ids += said
+        mask += [1] * len(said)
+        if i < len(turns) - 1:
+            env = observation_ids(tokenizer, turn.observation, tools=demo.tools,
+                                  chat_template=chat_template)
+            ids += env
+            mask += [0] * len(env)
+    return ids, mask
 
 
 def input_hash(cfg: SFTConfig, demos: list[Demo]) -> str:
@@ -174,10 +194,10 @@ def run_sft(cfg: SFTConfig, progress: Callable[[str], None] = lambda s: None) ->
         ids = torch.full((len(batch), length), pad, dtype=torch.long)
         labels = torch.full((len(batch), length), -100, dtype=torch.long)
         attn = torch.zeros((len(batch), length), dtype=torch.long)
-        for i, (seq, n_prompt) in enumerate(batch):
+        for i, (seq, mask) in enumerate(batch):
             ids[i, : len(seq)] = torch.tensor(seq)
             attn[i, : len(seq)] = 1
-            labels[i, n_prompt : len(seq)] = torch.tensor(seq[n_prompt:])
+            labels[i, : len(seq)] = torch.tensor([t if m else -100 for t, m in zip(seq, mask)])
         logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
         loss = torch.nn.functional.cross_entropy(
             logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),

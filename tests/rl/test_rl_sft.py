@@ -99,7 +99,9 @@ def test_sft_builds_a_task_prompt_exactly_as_the_evaluator_and_the_sampler_do(ti
     tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     assert tok.chat_template  # the tiny policy has one: the formats could differ
     prompt = "What is 2 + 3?"
-    ids, n_prompt = encode_demo(tok, Demo(prompt=prompt, response="5"))
+    ids, mask = encode_demo(tok, Demo(prompt=prompt, response="5"))
+    n_prompt = mask.index(1)
+    assert mask == [0] * n_prompt + [1] * (len(ids) - n_prompt)
     evaluator = ServerSource(None, tok, max_new_tokens=8, temperature=0.0)
     sampled = task_prompt_ids(tok, prompt)  # what the sampler sends (its test checks that)
     assert ids[:n_prompt] == evaluator.prompt_ids(prompt) == sampled
