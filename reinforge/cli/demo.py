@@ -30,6 +30,12 @@ DEFAULT_DOMAINS = "math,code,docqa"
 MAX_IN_FLIGHT = 16
 SAMPLER_CONCURRENCY = 8
 MAX_NEW_TOKENS = 96
+TOOL_MAX_NEW_TOKENS = 160
+"""Per turn when a domain uses tools: one tool call is 60 to 100 of the tiny policy's tokens."""
+TOOL_SFT_MAX_LEN = 1536
+"""A tool episode's demonstration: the tools in the prompt (about 600 tokens), then turns."""
+TOOL_EVAL_TASKS_PER_TIER = 5
+"""Held-out tasks per tier when a domain is multi-turn: each sample is a whole episode."""
 SANDBOX_POOL_SIZE = 2
 # The forgetting guard in the run: every `--guard-every` versions (25: about a minute here)
 # on 4 held-out tasks per tier, k = 2; a version whose pass@1 falls GUARD_MARGIN below the
@@ -62,8 +68,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--eval-k", type=int, default=None, help="pass@k's k (default 4; 2 with "
                    "--suite)")
     p.add_argument("--eval-tasks-per-tier", type=int, default=None,
-                   help=f"held-out tasks per tier (default 20; {SUITE_EVAL_TASKS_PER_TIER} "
-                        "with --suite)")
+                   help=f"held-out tasks per tier (default 20; {TOOL_EVAL_TASKS_PER_TIER} with "
+                        f"a tool domain; {SUITE_EVAL_TASKS_PER_TIER} with --suite)")
     p.add_argument("--sft-steps", type=int, default=150)
     p.add_argument("--guard-every", type=int, default=25,
                    help="the forgetting guard evaluates every N-th version (default 25)")
@@ -114,6 +120,19 @@ def ensure_base(home: Path, policy: str = "tiny") -> Path:
     return base
 
 
+def with_tools(domains: list[str]) -> bool:
+    """Whether any of `domains` is a tool domain (its episodes need longer turns)."""
+    from reinforge.envs.domain import DomainRegistry
+    from reinforge.rl.episodes import domain_tools
+
+    registry = DomainRegistry.default()
+    return any(domain_tools(registry.get(d)) for d in domains if d in registry)
+
+
+def max_new_tokens(domains: list[str]) -> int:
+    return TOOL_MAX_NEW_TOKENS if with_tools(domains) else MAX_NEW_TOKENS
+
+
 def ensure_models(home: Path, domains: list[str], sft_steps: int,
                   policy: str = "tiny") -> tuple[Path, Path]:
     """The base policy and its SFT warm start on `domains`' reference answers (cached by
@@ -127,9 +146,10 @@ def ensure_models(home: Path, domains: list[str], sft_steps: int,
         joined = f"{len(domains)}domains-" + hashlib.sha1(joined.encode()).hexdigest()[:10]
     sft = home / "models" / f"{prefix}-{joined}-{sft_steps}"
     say("SFT warm start (cached after the first time)")
+    longer = {"max_len": TOOL_SFT_MAX_LEN} if with_tools(domains) else {}
     result = run_sft(
         SFTConfig(model=str(base), out=str(sft), domains=tuple(domains), tiers=(0,),
-                  steps=sft_steps, num_examples=384),
+                  steps=sft_steps, num_examples=384, **longer),
         progress=lambda line: say(f"sft: {line}"),
     )
     say(f"SFT: {'cached' if result.get('cached') else 'trained'} -> {sft}")
@@ -146,7 +166,8 @@ def evaluate(model: Path, domains: list[str], k: int, tasks_per_tier: int,
                     "--k", str(k), "--tasks-per-tier", str(tasks_per_tier),
                     *(("--tiers", ",".join(map(str, tiers))) if tiers else ()),
                     *(() if answer_prior else ("--no-answer-prior",)),
-                    "--max-new-tokens", str(MAX_NEW_TOKENS), "--json", capture=True, timeout_s=1800)
+                    "--max-new-tokens", str(max_new_tokens(domains)), "--json", capture=True,
+                    timeout_s=1800)
     if out.returncode != 0:
         raise RuntimeError(f"reinforge eval failed ({out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -165,8 +186,14 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
     exactly those). `guard` (domain -> minimum pass@1) adds the evaluator: every
     `args.guard_every` versions it scores the policy on the first GUARD_TASKS_PER_TIER of
     those held-out tasks and rolls back a version that falls below its floor."""
+    from reinforge.envs.domain import DomainRegistry
+
     mix = ", ".join(f"{json.dumps(d)} = 1.0" for d in domains)
     dlist = ", ".join(json.dumps(d) for d in domains)
+    new_tokens = max_new_tokens(domains)
+    registry = DomainRegistry.default()
+    episodes_in_sandbox = any(registry.get(d).multi_turn and registry.get(d).resource == "sandbox"
+                              for d in domains if d in registry)
     ckpt = run_dir / "checkpoints"
     # Procedural families share long instruction templates: two different tasks of one
     # family overlap in most 13-grams, so only near-identical prompts count as contamination.
@@ -175,7 +202,7 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
     evaluator = "" if guard is None else f"""
 [[actors]]
 spec = "reinforge.actors.evaluator:Evaluator"
-config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], k = 2, every_versions = {args.guard_every}, score_per_tier = {GUARD_TASKS_PER_TIER}, thresholds = {{ {", ".join(f"{json.dumps(d)} = {v:.4f}" for d, v in guard.items())} }}, max_new_tokens = {MAX_NEW_TOKENS}, concurrency = 2, sandbox_pool_size = 1, domains_per_version = {guard_rotation}{suite_overlap} }}
+config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], k = 2, every_versions = {args.guard_every}, score_per_tier = {GUARD_TASKS_PER_TIER}, thresholds = {{ {", ".join(f"{json.dumps(d)} = {v:.4f}" for d, v in guard.items())} }}, max_new_tokens = {new_tokens}, concurrency = 2, sandbox_pool_size = 1, domains_per_version = {guard_rotation}{suite_overlap} }}
 """
     held = f"tasks_per_tier = {heldout_per_tier}" + (
         f", tiers = {json.dumps(heldout_tiers)}" if heldout_tiers else "")
@@ -197,7 +224,7 @@ config = {{ domains = {{ {mix} }}, max_in_flight = {MAX_IN_FLIGHT} }}
 
 [[actors]]
 spec = "reinforge.actors.sampler:SamplerActor"
-config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], max_new_tokens = {MAX_NEW_TOKENS}, concurrency = {SAMPLER_CONCURRENCY}, sandbox = false }}
+config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], max_new_tokens = {new_tokens}, concurrency = {SAMPLER_CONCURRENCY}, sandbox = {str(episodes_in_sandbox).lower()} }}
 
 [[actors]]
 spec = "reinforge.actors.verifier:VerifierActor"
@@ -264,7 +291,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         domains = [d.strip() for d in args.domains.split(",") if d.strip()]
         sft_domains = domains
-    per_tier = args.eval_tasks_per_tier or (SUITE_EVAL_TASKS_PER_TIER if args.suite else 20)
+    per_tier = args.eval_tasks_per_tier or (
+        SUITE_EVAL_TASKS_PER_TIER if args.suite else
+        TOOL_EVAL_TASKS_PER_TIER if with_tools(domains) else 20)
     eval_k = args.eval_k or (2 if args.suite else 4)
     home = paths.home()
     run = args.run

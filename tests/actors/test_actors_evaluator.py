@@ -26,6 +26,7 @@ from reinforge.actors.evaluator import (
     Evaluator,
     EvaluatorConfig,
     GoodVersion,
+    ServerSource,
     answer_prior,
     evaluate_sets,
     regression_rollback,
@@ -355,6 +356,45 @@ def test_reinforge_eval_scores_a_hugging_face_checkpoint_offline(tiny_model_dir,
         set(result["domains"]["math"]["task_pass_at_1"])
     assert "pass@2" in out.err  # the table went to stderr
     msgspec.json.decode(out.out.strip().splitlines()[-1])  # stdout is exactly the JSON
+
+
+@pytest.mark.podman
+def test_reinforge_eval_plays_a_tool_domain_as_episodes_and_reports_turns_and_call_errors(
+        tiny_model_dir, capsys):
+    args = eval_args("--model", str(tiny_model_dir), "--domains", "python_tool", "--k", "1",
+                     "--samples", "2", "--tasks-per-tier", "1", "--max-new-tokens", "12",
+                     "--json")
+    assert args.func(args) == 0
+    out = capsys.readouterr()
+    s = json.loads(out.out.strip().splitlines()[-1])["domains"]["python_tool"]
+    assert s["n_tasks"] == 4 and s["infra_errors"] == 0
+    assert 1.0 <= s["turns_mean"] <= 4.0  # every sample an episode of at least one turn
+    assert 0.0 <= s["tool_call_error_rate"] <= 1.0
+    assert "turns " in out.err and "tool-call errors" in out.err
+
+
+def test_a_server_source_answers_a_multi_turn_domain_with_episode_transcripts(
+        server_url, tiny_model_dir):
+    from transformers import AutoTokenizer
+    from reinforge.envs.domains.python_tool import PythonToolDomain
+    from reinforge.envs.sandbox.runner import UnsafeLocalRunner
+    from reinforge.envs.tools import decode_transcript
+    from reinforge.rollout.client import RolloutClient
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    domain = PythonToolDomain().with_runner(UnsafeLocalRunner())
+    task = domain.sample_task(random.Random(0), 0)
+
+    async def main():
+        async with RolloutClient(server_url) as client:
+            source = ServerSource(client, tok, max_new_tokens=12, temperature=1.0)
+            return await source.complete(task, 3, domain)
+
+    completions = trio.run(main)
+    assert len(completions) == 3
+    for text in completions:
+        turns = decode_transcript(text)
+        assert turns is not None and 1 <= len(turns) <= 4
 
 
 def test_reinforge_eval_skips_the_constant_answer_when_asked(tiny_model_dir, capsys):
