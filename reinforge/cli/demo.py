@@ -400,6 +400,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     }
     if args.suite:
         result["suite"] = suite_summary(all_tiers, left_out, beyond)
+    episodes = episode_summary(before, after)
+    if episodes:
+        result["episodes"] = episodes
     (run_dir / "demo_result.json").write_text(json.dumps(result, indent=2))
     lo, hi = overall.ci95
     say(f"eval pass@1 before {p1_before} after {p1_after}; improvement {improvement:+.3f} "
@@ -421,6 +424,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
             + " was an infrastructure error, so nothing was learned there; "
             "`reinforge sandbox doctor` says what the sandbox set-up lacks")
     return 0
+
+
+def episode_summary(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Tool domains' episodes before and after: turns per episode, malformed-call rate."""
+    keys = ("turns_mean", "tool_call_error_rate")
+    return {d: {f"{k}_{when}": round(res["domains"][d][k], 4)
+                for when, res in (("before", before), ("after", after)) for k in keys}
+            for d, sc in before["domains"].items()
+            if "turns_mean" in sc and "turns_mean" in after["domains"].get(d, {})}
 
 
 def collapsed_domains(before: dict[str, Any], after: dict[str, Any]) -> list[str]:

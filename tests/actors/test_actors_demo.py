@@ -218,3 +218,34 @@ def test_the_demos_kl_coefficient_reaches_the_learners_config(tmp_path):
         learner, = [a for a in load_cluster_config(config).actors
                     if a.spec.endswith(":Learner")]
         assert learner.config["kl_coef"] == want
+
+
+def test_a_demo_of_tool_domains_gives_its_sampler_a_sandbox_and_turns_long_enough_for_a_call(
+        tmp_path):
+    import argparse
+
+    from reinforge.cli.demo import MAX_NEW_TOKENS, TOOL_MAX_NEW_TOKENS, cluster_config, register
+    from reinforge.core.cluster import load_cluster_config
+
+    parser = argparse.ArgumentParser(prog="reinforge")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["demo"])
+    config = tmp_path / "demo.toml"
+    for domains, sandbox, tokens in ((["math", "code"], False, MAX_NEW_TOKENS),
+                                     (["terminal", "python_tool"], True, TOOL_MAX_NEW_TOKENS)):
+        config.write_text(cluster_config("t", tmp_path, tmp_path / "sft", domains, args))
+        sampler, = [a for a in load_cluster_config(config).actors
+                    if a.spec.endswith(":SamplerActor")]
+        assert (sampler.config["sandbox"], sampler.config["max_new_tokens"]) == (sandbox, tokens)
+
+
+def test_the_demo_reports_turns_and_tool_call_errors_of_tool_domains_before_and_after():
+    from reinforge.cli.demo import episode_summary
+
+    def res(turns, errors):
+        return {"domains": {"math": {"pass_at_1": 0.5},
+                            "terminal": {"turns_mean": turns, "tool_call_error_rate": errors}}}
+
+    assert episode_summary(res(1.5, 0.25), res(2.0, 0.1)) == {"terminal": {
+        "turns_mean_before": 1.5, "tool_call_error_rate_before": 0.25,
+        "turns_mean_after": 2.0, "tool_call_error_rate_after": 0.1}}
