@@ -58,7 +58,7 @@ from reinforge.core.atomic import write_json_atomic
 from reinforge.core.messages import EvalStats, Rollback, Task, WeightsPublished, decode
 from reinforge.engine.tokenizer import load_tokenizer
 from reinforge.envs.domain import TaskSpec
-from reinforge.envs.tools import episode_counts
+from reinforge.envs.tools import episode_counts, policy_turns
 
 
 class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -190,7 +190,8 @@ async def evaluate_sets(
                 verdict = await domains[name].verify(task, text)
                 row.append(None if verdict.outcome == "infra_error" else verdict.outcome == "pass")
                 if verdict.outcome != "infra_error":
-                    answers[name].append(answer_signature(text))
+                    said = policy_turns(text)[-1:] if tools else [text]  # a final turn
+                    answers[name].append(answer_signature(said[0] if said else ""))
             results[name][i] = row
 
     with collapse_single_exception():

@@ -23,10 +23,12 @@ Invariants:
   * rollout ids are deterministic (`{task_id}:{i}:{attempt}`): a redelivered task re-publishes
     the same ids and the stream deduplicates them.
 
-Multi-turn domains (terminal): the episode runs here, one command per turn; the transcript
-(`$ cmd` lines, observations as `| ` lines) is the completion. Token-wise, output_ids are
-the whole continuation after the prompt; environment tokens carry logprob 0.0 and mask 0 in
-`loss_mask`, the policy's tokens their behaviour logprobs and mask 1.
+Multi-turn domains: the episode runs here (`reinforge/rl/episodes.py`). A tool domain
+(terminal, python_tool) presents its tools through the chat template, the policy calls
+them in its own format, and the episode's transcript is the completion; other multi-turn
+domains act one line per turn. Token-wise, output_ids are the whole continuation after the
+prompt; environment tokens carry logprob 0.0 and mask 0 in `loss_mask`, the policy's tokens
+their behaviour logprobs and mask 1.
 """
 
 from __future__ import annotations
