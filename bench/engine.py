@@ -24,6 +24,12 @@ Speculative line (`speculative`): the task prompts, n=1, greedy and temperature 
 prompt-lookup drafts of 4 tokens and without: tokens/s, draft tokens accepted per verification
 and tokens per engine step. It pays only where outputs repeat their context: give a trained
 policy with --model (the tiny random policy rarely repeats).
+Roofline line (`weights_roofline`): batch-1 decode (one sequence, greedy, 64 new tokens after
+a short prompt) of the wider policy (about 26 M parameters: its float32 weights do not fit
+the last-level cache), with the projections served in float32, bfloat16 and int8, and the
+fraction of the roofline each reaches: decode tokens/s x weight bytes read per token / this
+machine's read bandwidth (bench/kv_kernels.py's probe, in the same run). With it, each
+packed format's logprob error against float32 on float32's greedy tokens (teacher-forced).
 The headline comparison with transformers runs without the prefix cache (each repeat sends
 the same prompts again, which the cache would turn into a different workload).
 
@@ -247,6 +253,77 @@ def speculative_lines(model, prompts, max_new: int, repeats: int, kernel_backend
     return out
 
 
+def decode_s(engine, prompt: list[int], new_tokens: int) -> float:
+    """Seconds of `new_tokens` batch-1 greedy decode steps after the prompt's first token."""
+    from reinforge.engine.sampling import SamplingParams
+
+    times = []
+    for n in (1, new_tokens + 1):
+        dt, _ = run_engine(engine, [prompt], SamplingParams(
+            max_new_tokens=n, temperature=0.0, ignore_eos=True))
+        times.append(dt)
+    return max(times[1] - times[0], 1e-9)
+
+
+def roofline_lines(prompt: list[int], new_tokens: int, repeats: int, kernel_backend: str,
+                   say) -> dict:
+    """Batch-1 decode tokens/s per weight format of the wider policy, against the roofline."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent))  # bench/ is not a package
+    from kv_kernels import read_bandwidth_gbps
+
+    from reinforge.cli.demo import policy_spec
+    from reinforge.engine.engine import Engine, EngineConfig
+    from reinforge.engine.linear import WEIGHT_FORMATS
+    from reinforge.engine.loader import load_model
+    from reinforge.engine.model import decode_weight_bytes
+    from reinforge.engine.sampling import SamplingParams
+    from reinforge.engine.tiny import init_tiny_model
+
+    from reinforge.kernels.tvm_build import available_cpus
+
+    threads = available_cpus()  # the machine's read bandwidth, every core reading
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = init_tiny_model(Path(tmp) / "wide", policy_spec("wide"))
+        models = {f: load_model(model_dir, f, kernel_backend=kernel_backend)
+                  for f in WEIGHT_FORMATS}
+    config = EngineConfig(kv_cache_dtype="int8", kernel_backend=kernel_backend,
+                          max_total_tokens=4096, prefix_cache=False)
+    engines = {f: Engine(m, config) for f, m in models.items()}
+    for e in engines.values():
+        decode_s(e, prompt, 4)  # warm-up: kernels built or loaded
+    read_gbps = read_bandwidth_gbps(threads)
+    per_format: dict[str, list[float]] = {f: [] for f in engines}
+    for _ in range(repeats):  # interleaved, so every format sees the same background load
+        for f, e in engines.items():
+            per_format[f].append(new_tokens / decode_s(e, prompt, new_tokens))
+    read_gbps = max(read_gbps, read_bandwidth_gbps(threads))
+    _, ref = run_engine(engines["float32"], [prompt], SamplingParams(
+        max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+    seq = torch.tensor(prompt + ref[0].output_ids)
+    tokens, pos = seq[len(prompt):], torch.arange(len(prompt) - 1, len(seq) - 1)
+    with torch.no_grad():
+        lp = {f: torch.log_softmax(m.prefill(seq, all_logits=True), -1)[pos, tokens]
+              for f, m in models.items()}
+    out: dict = {"read_gbps": round(read_gbps, 2), "read_threads": threads,
+                 "new_tokens": new_tokens}
+    for f, tps in per_format.items():
+        weight_bytes = decode_weight_bytes(models[f].weights)
+        tok_s = statistics.median(tps)
+        roof = read_gbps * 1e9 / weight_bytes
+        err = (lp[f] - lp["float32"]).abs()
+        out[f] = {"tokens_per_s": round(tok_s, 1), "weight_bytes": weight_bytes,
+                  "roofline_tokens_per_s": round(roof, 1),
+                  "vs_roofline": round(tok_s / roof, 3),
+                  "kernel_path": models[f].linear.path if f != "float32" else "torch",
+                  "logprob_err_max": round(float(err.max()), 4),
+                  "logprob_err_mean": round(float(err.mean()), 5)}
+        say(f"roofline {f}: {tok_s:.1f} tok/s at batch 1, roofline {roof:.1f} tok/s "
+            f"({tok_s / roof:.2f}); logprob error max {float(err.max()):.4f}")
+    return out
+
+
 def greedy_agreement(engine, hf, prompts, max_new: int) -> tuple[float, float]:
     import torch
     from reinforge.engine.sampling import SamplingParams
@@ -296,6 +373,8 @@ def main() -> int:
     )
     ap.add_argument("--kernel-backend", default="auto")
     ap.add_argument("--long-prompt-tokens", type=int, default=16384)
+    ap.add_argument("--only", choices=["roofline"], default=None,
+                    help="run only this line (and print it as the JSON object)")
     ap.add_argument(
         "--threads",
         type=int,
@@ -314,6 +393,14 @@ def main() -> int:
 
     torch.set_num_threads(args.threads or default_torch_threads())
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    if args.only == "roofline":
+        with tempfile.TemporaryDirectory() as tmp:
+            tok = load_tokenizer(init_tiny_model(Path(tmp) / "tiny"))
+        roofline = roofline_lines(task_prompts(tok, 1)[0], 64, max(args.repeats, 3),
+                                  args.kernel_backend, say)
+        print(json.dumps({"bench": "engine", "weights_roofline": roofline,
+                          "torch_threads": torch.get_num_threads()}))
+        return 0
     tmp = tempfile.TemporaryDirectory()
     model_dir = Path(args.model) if args.model else init_tiny_model(Path(tmp.name) / "tiny")
     tok = load_tokenizer(model_dir)
@@ -382,6 +469,7 @@ def main() -> int:
                                     args.kernel_backend, say)
     long_context = long_context_lines(args.long_prompt_tokens, 1024, args.repeats,
                                       args.kernel_backend, say)
+    roofline = roofline_lines(prompts[0], 64, max(args.repeats, 3), args.kernel_backend, say)
     greedy_fp, err_fp = greedy_agreement(fp_engine, hf, prompts, args.greedy_tokens)
     greedy_i8, err_i8 = greedy_agreement(engine, hf, prompts, args.greedy_tokens)
     engine_tps = total_new / statistics.median(engine_times)
@@ -413,6 +501,7 @@ def main() -> int:
         "prefix_cache": prefix,
         "long_context": long_context,
         "speculative": speculative,
+        "weights_roofline": roofline,
         "torch_threads": torch.get_num_threads(),
     }
     print(json.dumps(result))

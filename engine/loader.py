@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import torch
+from reinforge.engine.linear import Linear, Weight, check_format, pack
 from reinforge.engine.model import LayerWeights, Model, ModelConfig, Rope, Weights
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
@@ -114,9 +115,16 @@ def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def weights_from_state_dict(
-    config: ModelConfig, state: dict[str, torch.Tensor], where: str = "checkpoint"
+    config: ModelConfig, state: dict[str, torch.Tensor], where: str = "checkpoint",
+    weight_format: str = "float32",
 ) -> Weights:
-    """Turn HF parameter names into `Weights` (float32, q/k/v and gate/up stacked)."""
+    """Turn HF parameter names into `Weights` (float32, q/k/v and gate/up stacked; the
+    projections and the LM head then stored in `weight_format`)."""
+    check_format(weight_format)
+
+    def packed(t: torch.Tensor) -> Weight:
+        return pack(t.contiguous(), weight_format)
+
     used: set[str] = set()
 
     def take(name: str, optional: bool = False) -> torch.Tensor | None:
@@ -154,13 +162,13 @@ def weights_from_state_dict(
         layers.append(
             LayerWeights(
                 input_norm=take(p + "input_layernorm.weight").contiguous(),
-                qkv_proj=torch.cat([q, k, v]).contiguous(),
+                qkv_proj=packed(torch.cat([q, k, v])),
                 qkv_bias=None if biases[0] is None else torch.cat(biases).contiguous(),
-                o_proj=take(p + "self_attn.o_proj.weight").contiguous(),
+                o_proj=packed(take(p + "self_attn.o_proj.weight")),
                 o_bias=take(p + "self_attn.o_proj.bias", optional=True),
                 post_norm=take(p + "post_attention_layernorm.weight").contiguous(),
-                gate_up_proj=torch.cat([gate, up]).contiguous(),
-                down_proj=take(p + "mlp.down_proj.weight").contiguous(),
+                gate_up_proj=packed(torch.cat([gate, up])),
+                down_proj=packed(take(p + "mlp.down_proj.weight")),
             )
         )
     embed = expect(
@@ -177,17 +185,23 @@ def weights_from_state_dict(
             f"{where}: {len(unused)} tensors are not used by a {c.model_type} model, "
             f"e.g. {unused[:3]}"
         )
-    return Weights(
-        embed_tokens=embed, layers=layers, final_norm=final_norm, lm_head=lm_head.contiguous()
+    return Weights(  # a tied LM head in another format is a packed copy of the embedding
+        embed_tokens=embed, layers=layers, final_norm=final_norm, lm_head=packed(lm_head),
+        weight_format=weight_format,
     )
 
 
-def load_weights(model_dir: str | Path, config: ModelConfig) -> Weights:
+def load_weights(model_dir: str | Path, config: ModelConfig,
+                 weight_format: str = "float32") -> Weights:
     """Read and convert the weights of `model_dir` for `config`."""
-    return weights_from_state_dict(config, load_state_dict(model_dir), where=str(model_dir))
+    return weights_from_state_dict(config, load_state_dict(model_dir), where=str(model_dir),
+                                   weight_format=weight_format)
 
 
-def load_model(model_dir: str | Path) -> Model:
-    """Config, rope and weights of a Hugging Face-format directory, ready for the engine."""
+def load_model(model_dir: str | Path, weight_format: str = "float32", *,
+               kernel_backend: str = "auto") -> Model:
+    """Config, rope and weights of a Hugging Face-format directory, ready for the engine;
+    `kernel_backend` picks how packed weights are multiplied (`linear.Linear`)."""
     config = load_config(model_dir)
-    return Model(config, load_weights(model_dir, config), load_rope(model_dir))
+    return Model(config, load_weights(model_dir, config, weight_format), load_rope(model_dir),
+                 Linear(kernel_backend))

@@ -12,7 +12,9 @@ Two forward paths share the per-layer maths:
     attention reads the cache through the paged-KV ops (`reinforge.kernels.paged_kv`).
 
 Invariant: both paths compute in float32 (bf16 checkpoints are upcast on load), so greedy
-outputs and logprobs can be compared with transformers' float32 forward.
+outputs and logprobs can be compared with transformers' float32 forward. The one exception
+is opt-in: the projections' weights may be served in bfloat16 or int8 (`linear.py`,
+`--weight-dtype`); their products are still returned in float32.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import Any
 import msgspec
 import torch
 import torch.nn.functional as F
+
+from reinforge.engine.linear import Linear, Weight, nbytes
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -51,20 +55,20 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 @dataclass
 class LayerWeights:
-    """One decoder layer's tensors, float32, contiguous."""
+    """One decoder layer's tensors, float32, contiguous (projections: in `weight_format`)."""
 
     input_norm: torch.Tensor
-    qkv_proj: torch.Tensor
+    qkv_proj: Weight
     """q_proj, k_proj, v_proj stacked along the output dim: [(Hq+2*Hkv)*D, hidden]."""
     qkv_bias: torch.Tensor | None
     """The q/k/v biases stacked likewise (Qwen2), or None (Llama without attention_bias)."""
-    o_proj: torch.Tensor
+    o_proj: Weight
     o_bias: torch.Tensor | None
     """Llama with attention_bias=True has an o_proj bias; Qwen2 has none."""
     post_norm: torch.Tensor
-    gate_up_proj: torch.Tensor
+    gate_up_proj: Weight
     """gate_proj and up_proj stacked along the output dim: [2*intermediate, hidden]."""
-    down_proj: torch.Tensor
+    down_proj: Weight
 
 
 @dataclass
@@ -74,8 +78,10 @@ class Weights:
     embed_tokens: torch.Tensor
     layers: list[LayerWeights]
     final_norm: torch.Tensor
-    lm_head: torch.Tensor
-    """Same tensor object as `embed_tokens` when embeddings are tied."""
+    lm_head: Weight
+    """Same tensor object as `embed_tokens` when embeddings are tied (and float32)."""
+    weight_format: str = "float32"
+    """How the projections and the LM head are stored (`linear.WEIGHT_FORMATS`)."""
 
 
 @dataclass
@@ -107,10 +113,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Model:
     """The forward passes over `Weights`. Not thread-safe: one engine thread drives it."""
 
-    def __init__(self, config: ModelConfig, weights: Weights, rope: Rope) -> None:
+    def __init__(self, config: ModelConfig, weights: Weights, rope: Rope,
+                 linear: Linear | None = None) -> None:
         self.config = config
         self.weights = weights
         self.rope = rope
+        self.linear = linear or Linear()
         self.sm_scale = 1.0 / math.sqrt(config.head_dim)
 
     # ----------------------------------------------------------------- shared per-layer maths
@@ -120,7 +128,7 @@ class Model:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.config
         x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
-        qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)
+        qkv = self.linear(x, layer.qkv_proj, layer.qkv_bias)
         q_size = c.num_heads * c.head_dim
         kv_size = c.num_kv_heads * c.head_dim
         n = qkv.shape[0]
@@ -133,20 +141,20 @@ class Model:
     def _finish_layer(
         self, layer: LayerWeights, h: torch.Tensor, attn: torch.Tensor
     ) -> torch.Tensor:
-        # The residual adds are fused into the GEMMs (addmm: h + a @ W^T).
+        # The residual adds are fused into the GEMMs (addmm: h + a @ W^T) for float32 weights.
         c = self.config
         base = h if layer.o_bias is None else h + layer.o_bias
-        h = torch.addmm(base, attn.reshape(h.shape[0], -1), layer.o_proj.t())
+        h = self.linear.add(base, attn.reshape(h.shape[0], -1), layer.o_proj)
         x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
-        gate_up = F.linear(x, layer.gate_up_proj)
+        gate_up = self.linear(x, layer.gate_up_proj)
         gate, up = gate_up.chunk(2, dim=-1)
         act = F.silu(gate, inplace=True).mul_(up)
-        return torch.addmm(h, act, layer.down_proj.t())
+        return self.linear.add(h, act, layer.down_proj)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden [N, hidden] -> logits [N, vocab], float32."""
         w = self.weights
-        return F.linear(rms_norm(h, w.final_norm, self.config.rms_norm_eps), w.lm_head)
+        return self.linear(rms_norm(h, w.final_norm, self.config.rms_norm_eps), w.lm_head)
 
     # ----------------------------------------------------------------------------- prefill
 
@@ -271,4 +279,14 @@ def describe(config: ModelConfig, weights: Weights) -> dict[str, Any]:
         "num_parameters": total,
         "num_layers": config.num_layers,
         "vocab_size": config.vocab_size,
+        "weight_dtype": weights.weight_format,
+        "decode_weight_bytes": decode_weight_bytes(weights),
     }
+
+
+def decode_weight_bytes(weights: Weights) -> int:
+    """Bytes one decode step reads of the weights (the projections and the LM head; the
+    embedding rows looked up are negligible): batch-1 decode's roofline denominator."""
+    mats = [weights.lm_head] + [m for layer in weights.layers for m in (
+        layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+    return sum(nbytes(m) for m in mats)

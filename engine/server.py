@@ -373,6 +373,8 @@ async def server_info(request: Request) -> Response:
             "max_running_requests": ec.max_running_requests,
             "max_total_num_tokens": stats.max_total_num_tokens,
             "kv_bytes_per_token": stats.kv.bytes_per_token,
+            "weight_dtype": e.model.weights.weight_format,
+            "weight_kernel_path": e.model.linear.path,
             "weight_version": e.weight_version,
             "disable_radix_cache": not ec.prefix_cache,
             "chunked_prefill_size": ec.chunked_prefill_size,
@@ -486,7 +488,8 @@ async def update_weights_from_disk(request: Request) -> Response:
             new_config.num_kv_heads,
         ) != (old.hidden_size, old.num_layers, old.vocab_size, old.num_kv_heads):
             raise ValueError(f"{path} has a different architecture from the served model")
-        weights = await asyncio.to_thread(load_weights, path, old)
+        weights = await asyncio.to_thread(load_weights, path, old,
+                                          engine.model.weights.weight_format)
     except (OSError, ValueError, KeyError) as exc:
         return _weights_failed(f"Failed to update weights: {exc}")
     fut = engine.swap_weights(
@@ -555,8 +558,10 @@ def serve(
     engine_config: EngineConfig = EngineConfig(),
     port_file: str | None = None,
     served_model_name: str | None = None,
+    weight_dtype: str = "float32",
 ) -> None:
-    """Load the model, start the engine thread, serve HTTP until interrupted."""
+    """Load the model (its projections in `weight_dtype`), start the engine thread, serve
+    HTTP until interrupted."""
     import torch
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
@@ -564,7 +569,7 @@ def serve(
     from reinforge.engine.tokenizer import load_tokenizer
 
     torch.set_num_threads(default_torch_threads())
-    model = load_model(model_dir)
+    model = load_model(model_dir, weight_dtype, kernel_backend=engine_config.kernel_backend)
     tokenizer = load_tokenizer(model_dir)
     eos = set(model.config.eos_token_ids)
     if tokenizer.eos_token_id is not None:
@@ -588,7 +593,8 @@ def serve(
         config.keep_alive_timeout = SERVER_KEEP_ALIVE_S
         print(
             f"reinforge serve: listening on http://{host}:{bound} "
-            f"(kv {engine.pool.kind} via {engine.pool.ops.name})",
+            f"(kv {engine.pool.kind} via {engine.pool.ops.name}, weights "
+            f"{model.weights.weight_format})",
             flush=True,
         )
         if port_file:  # whoever waits for it reads the whole number or nothing

@@ -21,6 +21,14 @@ def register(subparsers: Any) -> None:
         help="KV cache format (auto = int8)",
     )
     serve.add_argument(
+        "--weight-dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "int8"],
+        help="how the projections' weights are served: float32 (exactly the checkpoint), "
+        "bfloat16 or int8 weight-only (half or a quarter of the bytes each decode step "
+        "reads; their logprob error is the learner's to correct)",
+    )
+    serve.add_argument(
         "--kernel-backend",
         default="auto",
         choices=["auto", "tvm", "torch"],
@@ -98,5 +106,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine_config=config,
         port_file=args.port_file,
         served_model_name=args.served_model_name,
+        weight_dtype=args.weight_dtype,
     )
     return 0

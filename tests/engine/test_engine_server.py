@@ -384,3 +384,22 @@ def test_the_serve_flags_for_speculative_decoding_chunked_prefill_and_no_prefix_
     # the same greedy tokens as the default server (int8 cache both)
     default = server.post("/generate", json=body).json()["output_ids"]
     assert [g["output_ids"] for g in got] == [default, default]
+
+
+def test_a_server_with_int8_weights_says_so_generates_and_keeps_the_format_across_updates(
+        serve_tiny, tiny_model_dir):
+    body = {"input_ids": [3, 4, 5, 6], "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
+    with serve_tiny("--weight-dtype", "int8") as url, \
+            httpx.Client(base_url=url, timeout=60) as other:
+        info = other.get("/get_server_info").json()
+        first = other.post("/generate", json=body).json()
+        r = other.post("/update_weights_from_disk",
+                       json={"model_path": str(tiny_model_dir), "weight_version": "v1"})
+        again = other.post("/generate", json=body).json()
+        after = other.get("/get_server_info").json()
+    assert (info["weight_dtype"], info["weight_kernel_path"]) == ("int8", "tvm-gemv")
+    assert len(first["output_ids"]) == 6
+    assert all(lp <= 0 for lp, _, _ in first["meta_info"]["output_token_logprobs"])
+    assert r.json()["success"] and after["weight_dtype"] == "int8"
+    assert again["output_ids"] == first["output_ids"]  # the same weights, packed the same way
