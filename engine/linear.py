@@ -69,12 +69,6 @@ def pack(w: torch.Tensor, fmt: str) -> Weight:
     return Int8Weight(data=data, scale=scale.contiguous())
 
 
-def format_of(w: Weight) -> str:
-    if isinstance(w, Int8Weight):
-        return "int8"
-    return "bfloat16" if w.dtype == torch.bfloat16 else "float32"
-
-
 def nbytes(w: Weight) -> int:
     """Bytes read per use: what the roofline of a decode step counts."""
     if isinstance(w, Int8Weight):
@@ -101,6 +95,7 @@ class Linear:
         self.backend = backend
         self._modules: dict[tuple[str, int], Any] = {}
         self._ones: dict[int, torch.Tensor] = {}
+        self._block = 1  # the kernel's rows per task, once one is built
         self.path = "torch" if backend == "torch" else "tvm-gemv"
 
     def __call__(self, x: torch.Tensor, w: Weight,
@@ -117,13 +112,11 @@ class Linear:
         return self._packed(x, w).add_(base)
 
     def _packed(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
-        from reinforge.kernels.tvm_gemv import ROWS
-
         fmt = "int8" if isinstance(w, Int8Weight) else "bf16"
         out, width = w.shape
-        main = out - out % ROWS  # the kernel takes rows in blocks of ROWS; torch the rest
-        kernel = self._kernel(fmt, width) if x.shape[0] <= GEMV_MAX_ROWS and main else None
-        if kernel is None:
+        kernel = self._kernel(fmt, width) if x.shape[0] <= GEMV_MAX_ROWS else None
+        main = out - out % self._block  # the kernel takes rows in blocks; torch the rest
+        if kernel is None or not main:
             return _widened_product(x, w)
         y = torch.empty((x.shape[0], main), dtype=torch.float32)
         x = x.contiguous()
@@ -140,9 +133,7 @@ class Linear:
         return y
 
     def _kernel(self, fmt: str, width: int) -> Any:
-        from reinforge.kernels.tvm_gemv import VW
-
-        if self.path == "torch" or width % VW:
+        if self.path == "torch" or width % 16:  # tvm_gemv.VW: K in whole vectors
             return None
         key = (fmt, width)
         if key not in self._modules:
@@ -152,8 +143,9 @@ class Linear:
     def _build(self, fmt: str, width: int) -> Any:
         try:
             from reinforge.kernels.tvm_build import KernelSpec, build_or_load, host_target
-            from reinforge.kernels.tvm_gemv import make_gemv
+            from reinforge.kernels.tvm_gemv import ROWS, make_gemv
 
+            self._block = ROWS
             spec = KernelSpec(family=f"gemv-{fmt}", params=(("k", width),))
             mod = build_or_load(spec, host_target(), lambda: {f"gemv_{fmt}": make_gemv(fmt, width)})
             return mod.module[f"gemv_{fmt}"]
