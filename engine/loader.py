@@ -16,7 +16,7 @@ import torch
 from reinforge.engine.linear import Linear, Weight, check_format, pack
 from reinforge.engine.model import LayerWeights, Model, ModelConfig, Rope, Weights
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
 
 def _read_json(path: Path) -> dict:
@@ -59,6 +59,8 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         )
     if getattr(hf, "mlp_bias", False):
         raise ValueError(f"{model_dir}/config.json: mlp_bias=true is not supported")
+    if getattr(hf, "use_sliding_window", False):
+        raise ValueError(f"{model_dir}/config.json: sliding-window attention is not supported")
     num_heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
     dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "float32"
@@ -77,6 +79,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         max_position_embeddings=int(hf.max_position_embeddings),
         eos_token_ids=_eos_ids(model_dir, hf),
         torch_dtype=str(dtype).removeprefix("torch."),
+        qk_norm=hf.model_type == "qwen3",
     )
 
 
@@ -125,6 +128,9 @@ def weights_from_state_dict(
     def packed(t: torch.Tensor) -> Weight:
         return pack(t.contiguous(), weight_format)
 
+    def norm(name: str) -> torch.Tensor:  # Qwen3's per-head q/k RMSNorm weights
+        return expect(name, take(name), (config.head_dim,)).contiguous()
+
     used: set[str] = set()
 
     def take(name: str, optional: bool = False) -> torch.Tensor | None:
@@ -169,6 +175,8 @@ def weights_from_state_dict(
                 post_norm=take(p + "post_attention_layernorm.weight").contiguous(),
                 gate_up_proj=packed(torch.cat([gate, up])),
                 down_proj=packed(take(p + "mlp.down_proj.weight")),
+                q_norm=norm(p + "self_attn.q_norm.weight") if c.qk_norm else None,
+                k_norm=norm(p + "self_attn.k_norm.weight") if c.qk_norm else None,
             )
         )
     embed = expect(

@@ -1,7 +1,8 @@
-"""A decoder-only transformer of the Llama/Qwen2 family, written for inference on the CPU.
+"""A decoder-only transformer of the Llama/Qwen2/Qwen3 family, written for inference on the CPU.
 
 RMSNorm, rotary position embeddings (with the rope scaling of the checkpoint's config),
-grouped-query attention with optional q/k/v biases, SwiGLU MLP, optionally tied embeddings.
+grouped-query attention with optional q/k/v biases and optional per-head q/k RMSNorm
+(Qwen3), SwiGLU MLP, optionally tied embeddings.
 The weights are plain tensors (no nn.Module), so a weight swap is one attribute assignment.
 
 Two forward paths share the per-layer maths:
@@ -35,7 +36,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     """The architecture facts the engine needs, read from a Hugging Face config.json."""
 
     model_type: str
-    """`qwen2` or `llama` (others of the family load if their weights are named alike)."""
+    """`qwen2`, `qwen3` or `llama` (others of the family load if their weights are named
+    alike)."""
     architectures: tuple[str, ...]
     vocab_size: int
     hidden_size: int
@@ -51,6 +53,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Ids that end a sequence (config.json's `eos_token_id`, plus generation_config's)."""
     torch_dtype: str
     """The dtype the checkpoint was saved in (`float32`, `bfloat16`, ...); compute is float32."""
+    qk_norm: bool = False
+    """Qwen3: q and k are RMS-normalised per head (over head_dim) before RoPE."""
 
 
 @dataclass
@@ -69,6 +73,9 @@ class LayerWeights:
     gate_up_proj: Weight
     """gate_proj and up_proj stacked along the output dim: [2*intermediate, hidden]."""
     down_proj: Weight
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    """Qwen3's per-head RMSNorm weights of q and k ([head_dim]); None for Llama/Qwen2."""
 
 
 @dataclass
@@ -132,9 +139,11 @@ class Model:
         q_size = c.num_heads * c.head_dim
         kv_size = c.num_kv_heads * c.head_dim
         n = qkv.shape[0]
-        qk = apply_rope(
-            qkv[:, : q_size + kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin
-        )
+        qk = qkv[:, : q_size + kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim)
+        if layer.q_norm is not None:
+            qk = torch.cat([rms_norm(qk[:, : c.num_heads], layer.q_norm, c.rms_norm_eps),
+                            rms_norm(qk[:, c.num_heads :], layer.k_norm, c.rms_norm_eps)], dim=1)
+        qk = apply_rope(qk, cos, sin)
         v = qkv[:, q_size + kv_size :].reshape(n, c.num_kv_heads, c.head_dim)
         return qk[:, : c.num_heads], qk[:, c.num_heads :], v
 

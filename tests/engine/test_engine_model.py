@@ -196,3 +196,35 @@ def test_a_checkpoint_with_a_missing_tensor_fails_naming_it(tiny_model_dir, tmp_
     save_file(state, str(broken / "model.safetensors"))
     with pytest.raises(KeyError, match="model.layers.1.mlp.up_proj.weight"):
         load_weights(broken, load_config(broken))
+
+
+def test_a_qwen3_checkpoint_with_per_head_qk_norms_matches_transformers(tmp_path):
+    """Qwen3: q and k RMS-normalised per head before RoPE, head_dim not hidden / heads."""
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=1000, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=48, max_position_embeddings=512, tie_word_embeddings=True,
+                         initializer_range=0.1)
+    torch.manual_seed(2)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():  # norms away from 1, so skipping them would show
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    model.save_pretrained(str(tmp_path / "qwen3"))
+    ours = load_model(tmp_path / "qwen3")
+    assert ours.config.qk_norm and ours.config.head_dim == 48
+    assert ours.weights.layers[0].q_norm.shape == (48,)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "qwen3"), dtype=torch.float32).eval()
+    ids = torch.randint(0, 1000, (120,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        want = hf(ids[None]).logits[0]
+        got = ours.prefill(ids, all_logits=True)
+    assert (want - got).abs().max().item() < 1e-4
+    engine = Engine(ours, EngineConfig(kv_cache_dtype="float32", max_total_tokens=1024))
+    results = run_engine(engine, [ids[:100].tolist()],
+                         SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True))
+    gen = hf.generate(ids[None, :100], max_new_tokens=20, do_sample=False, eos_token_id=None,
+                      pad_token_id=0, attention_mask=torch.ones(1, 100, dtype=torch.long))
+    assert results[0].output_ids == gen[0, 100:].tolist()
