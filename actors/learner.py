@@ -72,7 +72,15 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     group_size: int = RUN_DEFAULTS.group_size
     """Samples per group; `[run]` (0 takes each rollout's own `group_size`)."""
     micro_batch_size: int = 8
-    """Sequences per forward/backward pass (gradients are accumulated over a batch)."""
+    """Sequences per forward/backward pass (gradients are accumulated over a minibatch)."""
+    micro_batch_tokens: int = 0
+    """Also at most this many padded tokens per forward/backward pass (0: no bound), so a
+    batch of long episodes does not take the memory of its longest times micro_batch_size."""
+    ppo_epochs: int = 1
+    """Passes over each batch; the second and later ones shuffled."""
+    minibatches: int = 1
+    """Optimizer steps per pass (the batch split evenly); ppo_epochs x minibatches steps in
+    all, each step's ratio taken to the policy before the first (PPO)."""
     learning_rate: float = 1e-5
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -121,11 +129,12 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     def __post_init__(self) -> None:
         for name in ("groups_per_version", "micro_batch_size", "keep_last", "torch_threads",
-                     "max_deliver", "max_pending_samples"):
+                     "max_deliver", "max_pending_samples", "ppo_epochs", "minibatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"learner config: {name} must be >= 1, got {getattr(self, name)}")
         for name in ("group_size", "max_staleness", "kl_coef", "weight_decay", "max_grad_norm",
-                     "clip_low", "clip_high", "logp_mismatch_threshold_nats"):
+                     "clip_low", "clip_high", "logp_mismatch_threshold_nats",
+                     "micro_batch_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"learner config: {name} must be >= 0, got {getattr(self, name)}")
         if not (self.tis_cap == 0 or self.tis_cap >= 1):

@@ -217,6 +217,7 @@ def tis_policy_terms(
     cap: float,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
+    logp_old: torch.Tensor | None = None,
 ) -> tuple[PolicyLossTerms, TisWeights]:
     """The clipped surrogate with truncated importance sampling, per token.
 
@@ -231,8 +232,11 @@ def tis_policy_terms(
     corrected by w truncated at `cap`, instead of being clipped at 1 +- clip as if the policy
     had moved. Without truncation or clipping this is the same gradient as
     `clipped_policy_terms`; they differ where that one clips and where w reaches the cap.
+
+    Several optimizer steps on one batch (PPO epochs, minibatches) pass `logp_old`: the
+    learner's logprobs before the first step, so r moves away from 1 and clips as in PPO.
     """
-    old = logp.detach()
+    old = logp.detach() if logp_old is None else logp_old
     terms = clipped_policy_terms(logp, old, advantages, mask, clip_low=clip_low,
                                  clip_high=clip_high)
     tis = truncated_is_weights(old, logp_behaviour, mask, cap=cap)

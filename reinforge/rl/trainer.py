@@ -131,28 +131,88 @@ class Trainer:
         }
 
     def train_step(self, samples: list[Any], version: int) -> dict[str, float]:
-        """One optimizer step over `samples` (TrainSample-like); returns its figures.
+        """Train on one batch of `samples` (TrainSample-like); returns its figures.
 
-        Figures are over policy tokens (loss mask 1). `ratio_mean`, `kl_behaviour` and the
-        `logp_mismatch_*` figures compare the learner's logprobs now with the behaviour
-        logprobs the rollouts carry: for samples of the learner's own version (staleness 0)
-        that gap is purely inference vs training (e.g. the engine's quantized KV cache), for
-        older ones it includes the policy's drift. `clip_frac` is 0 while TIS is on (see
-        `grpo.tis_policy_terms`).
+        `ppo_epochs` passes over the batch, each split into `minibatches` optimizer steps
+        (default 1 x 1: one step). With more than one step and TIS on, the PPO ratio of every
+        step is taken to the learner's logprobs before the first one (computed once), so later
+        steps clip as PPO does; TIS weights stay those of that first policy.
+
+        Figures are over policy tokens (loss mask 1), the mean over the optimizer steps
+        (`clip_frac_epoch_<e>` per epoch when there are several). `ratio_mean`,
+        `kl_behaviour` and the `logp_mismatch_*` figures compare the learner's logprobs with
+        the behaviour logprobs the rollouts carry: for samples of the learner's own version
+        (staleness 0) that gap is purely inference vs training (e.g. the engine's quantized KV
+        cache), for older ones it includes the policy's drift. With one step `clip_frac` is 0
+        while TIS is on (see `grpo.tis_policy_terms`).
         """
         cfg = self.cfg
         if not samples:
             raise ValueError("train_step needs at least one sample")
         t0 = time.perf_counter()
+        steps = cfg.ppo_epochs * cfg.minibatches
+        proximal = self.logprobs(samples) if steps > 1 and cfg.tis_cap > 0 else None
+        shuffle = torch.Generator().manual_seed(cfg.seed * 1_000_003 + version)
+        per_step: list[dict[str, float]] = []
+        gaps: list[torch.Tensor] = []
+        for epoch in range(cfg.ppo_epochs):
+            order = (torch.randperm(len(samples), generator=shuffle).tolist() if epoch
+                     else list(range(len(samples))))
+            for part in split_evenly(order, cfg.minibatches):
+                step = self._optimizer_step(
+                    [samples[i] for i in part], None if proximal is None else
+                    [proximal[i] for i in part], version, gaps if not per_step else None)
+                per_step.append({**step, "epoch": float(epoch)})
+        compute_s = time.perf_counter() - t0
+        num_tokens = sum(sum(s.loss_mask) for s in samples)
+        mismatch = summarise_gaps(torch.cat(gaps), cfg.logp_mismatch_threshold_nats)
+        keys = ["loss", "policy_loss", "kl_behaviour", "clip_frac", "ratio_mean", "grad_norm"]
+        keys += ["tis_weight_mean", "tis_capped_share"] if cfg.tis_cap > 0 else []
+        keys += ["kl_ref"] if self.reference is not None else []
+        figures = {k: sum(st[k] for st in per_step) / len(per_step) for k in keys}
+        figures.update({
+            "ratio_dev_max_on_policy": per_step[0]["ratio_dev_max_on_policy"],
+            "optimizer_steps": float(steps),
+            "tokens": float(num_tokens),
+            "samples": float(len(samples)),
+            "compute_s": compute_s,
+            "tokens_per_s": steps * num_tokens / compute_s if compute_s > 0 else 0.0,
+            "logp_mismatch_mean_nats": mismatch.mean_nats,
+            "logp_mismatch_max_nats": mismatch.max_nats,
+            "logp_mismatch_share_over": mismatch.share_over,
+            "logp_mismatch_threshold_nats": cfg.logp_mismatch_threshold_nats,
+        })
+        if cfg.ppo_epochs > 1:
+            for e in range(cfg.ppo_epochs):
+                mine = [st["clip_frac"] for st in per_step if st["epoch"] == e]
+                figures[f"clip_frac_epoch_{e}"] = sum(mine) / len(mine)
+        return figures
+
+    def logprobs(self, samples: list[Any]) -> list[torch.Tensor]:
+        """The policy's logprobs of each sample's output tokens now (no gradient)."""
+        cfg = self.cfg
+        out: list[torch.Tensor] = []
+        with torch.no_grad():
+            for mb in micro_batches(samples, cfg.micro_batch_size, cfg.micro_batch_tokens):
+                logp, _ = sequence_logprobs(self.model, [s.prompt_ids for s in mb],
+                                            [s.output_ids for s in mb],
+                                            temperature=cfg.temperature, pad_id=self.pad_id)
+                out += [logp[i, : len(s.output_ids)].clone() for i, s in enumerate(mb)]
+        return out
+
+    def _optimizer_step(self, samples: list[Any], proximal: list[torch.Tensor] | None,
+                        version: int, gaps: list[torch.Tensor] | None) -> dict[str, float]:
+        """Accumulate the gradient of `samples` over micro-batches, then one optimizer step;
+        the step's figures. `gaps` (the first step's) collects |logp - logp_behaviour|."""
+        cfg = self.cfg
         num_tokens = sum(sum(s.loss_mask) for s in samples)
         per_token = max(num_tokens, 1)  # a batch of environment text only: figures are 0
         sums = dict.fromkeys(("loss", "policy_loss", "kl_ref", "kl_behaviour", "clip", "ratio",
                               "tis_weight", "tis_capped"), 0.0)
         on_policy_dev = 0.0
-        gaps: list[torch.Tensor] = []
+        index = {id(s): i for i, s in enumerate(samples)}
         self.optimizer.zero_grad(set_to_none=True)
-        for start in range(0, len(samples), cfg.micro_batch_size):
-            mb = samples[start : start + cfg.micro_batch_size]
+        for mb in micro_batches(samples, cfg.micro_batch_size, cfg.micro_batch_tokens):
             prompts = [s.prompt_ids for s in mb]
             outputs = [s.output_ids for s in mb]
             logp, in_seq = sequence_logprobs(
@@ -163,8 +223,11 @@ class Trainer:
             old = padded([s.logprobs for s in mb], width, logp.dtype)
             adv = torch.tensor([s.advantage for s in mb], dtype=logp.dtype)
             if cfg.tis_cap > 0:
+                first = None if proximal is None else padded(
+                    [proximal[index[id(s)]].tolist() for s in mb], width, logp.dtype)
                 terms, tis = tis_policy_terms(logp, old, adv, mask, cap=cfg.tis_cap,
-                                              clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+                                              clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                              logp_old=first)
                 sums["tis_weight"] += float((tis.weight * mask).sum())
                 sums["tis_capped"] += float(tis.capped.sum())
             else:
@@ -191,15 +254,14 @@ class Trainer:
                 fresh = torch.tensor([s.policy_version == version for s in mb]).unsqueeze(1)
                 dev = ((ratio - 1.0).abs() * mask * fresh).max()
                 on_policy_dev = max(on_policy_dev, float(dev))
-                gaps.append(abs_logprob_gaps(logp, old, mask))
+                if gaps is not None:
+                    gaps.append(abs_logprob_gaps(logp, old, mask))
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
         )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        compute_s = time.perf_counter() - t0
-        mismatch = summarise_gaps(torch.cat(gaps), cfg.logp_mismatch_threshold_nats)
-        figures = {
+        step = {
             "loss": sums["loss"],
             "policy_loss": sums["policy_loss"],
             "kl_behaviour": sums["kl_behaviour"],
@@ -207,18 +269,41 @@ class Trainer:
             "ratio_mean": sums["ratio"],
             "ratio_dev_max_on_policy": on_policy_dev,
             "grad_norm": float(grad_norm),
-            "tokens": float(num_tokens),
-            "samples": float(len(samples)),
-            "compute_s": compute_s,
-            "tokens_per_s": num_tokens / compute_s if compute_s > 0 else 0.0,
-            "logp_mismatch_mean_nats": mismatch.mean_nats,
-            "logp_mismatch_max_nats": mismatch.max_nats,
-            "logp_mismatch_share_over": mismatch.share_over,
-            "logp_mismatch_threshold_nats": cfg.logp_mismatch_threshold_nats,
+            "tis_weight_mean": sums["tis_weight"] / per_token,
+            "tis_capped_share": sums["tis_capped"] / per_token,
         }
-        if cfg.tis_cap > 0:
-            figures["tis_weight_mean"] = sums["tis_weight"] / per_token
-            figures["tis_capped_share"] = sums["tis_capped"] / per_token
         if self.reference is not None:
-            figures["kl_ref"] = sums["kl_ref"]
-        return figures
+            step["kl_ref"] = sums["kl_ref"]
+        return step
+
+
+def split_evenly(items: list[int], parts: int) -> list[list[int]]:
+    """`items` in `parts` consecutive runs of sizes differing by at most one (no empty run)."""
+    parts = max(1, min(parts, len(items)))
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for p in range(parts):
+        end = start + size + (p < extra)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
+def micro_batches(samples: list[Any], size: int, token_budget: int = 0) -> list[list[Any]]:
+    """Consecutive runs of at most `size` samples and, with a `token_budget`, at most that
+    many padded tokens (run length x its longest prompt + output); a sample longer than the
+    budget gets a run of its own."""
+    out: list[list[Any]] = []
+    run: list[Any] = []
+    longest = 0
+    for s in samples:
+        length = len(s.prompt_ids) + len(s.output_ids)
+        grown = max(longest, length) * (len(run) + 1)
+        if run and (len(run) == size or (token_budget and grown > token_budget)):
+            out.append(run)
+            run, longest = [], 0
+        run.append(s)
+        longest = max(longest, length)
+    if run:
+        out.append(run)
+    return out

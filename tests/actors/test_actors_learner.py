@@ -239,6 +239,63 @@ def test_with_behaviour_equal_to_the_learner_tis_changes_nothing(tiny_model_dir,
     assert fig_tis["logp_mismatch_max_nats"] == 0.0 and fig_tis["logp_mismatch_share_over"] == 0.0
 
 
+# ----------------------------------------------------------------------------- batching
+
+
+def test_micro_batches_respect_the_sequence_and_the_padded_token_budgets():
+    from reinforge.rl.trainer import micro_batches, split_evenly
+
+    class S:
+        def __init__(self, n):
+            self.prompt_ids, self.output_ids = [1] * 2, [2] * (n - 2)
+
+    lengths = [4, 4, 10, 3, 3, 3, 30]
+    runs = micro_batches([S(n) for n in lengths], size=3, token_budget=12)
+    assert [[len(s.prompt_ids) + len(s.output_ids) for s in run] for run in runs] == [
+        [4, 4], [10], [3, 3, 3], [30]]  # 3 x 4 = 12 fits, 3 x 10 would not; 30 alone
+    assert [len(r) for r in micro_batches([S(4)] * 7, size=3)] == [3, 3, 1]
+    assert split_evenly(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
+    assert split_evenly([0, 1], 4) == [[0], [1]]
+
+
+def test_the_gradient_is_the_same_whatever_the_micro_batches(tiny_model_dir, tmp_path):
+    group = synthetic_group("mb", [1.0, 0.0, 0.0, 1.0], tokens=6)
+    grads = []
+    for cut in ({"micro_batch_size": 8}, {"micro_batch_size": 1},
+                {"micro_batch_size": 8, "micro_batch_tokens": 20}):
+        trainer = Trainer(make_config(tiny_model_dir, tmp_path, max_grad_norm=0.0, **cut),
+                          tiny_model_dir)
+        recorder = GradientRecorder(trainer)
+        samples, _ = prepare_samples([group], AdvantageNorm.GROUP_STD)
+        trainer.train_step(samples, version=0)
+        grads.append(recorder.grads)
+    for other in grads[1:]:
+        assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+                   for a, b in zip(grads[0], other, strict=True))
+
+
+def test_ppo_epochs_and_minibatches_take_that_many_steps_and_later_ones_clip(
+        tiny_model_dir, tmp_path):
+    cfg = make_config(tiny_model_dir, tmp_path, learning_rate=0.05, ppo_epochs=3,
+                      minibatches=2, clip_low=0.05, clip_high=0.05)
+    trainer = Trainer(cfg, tiny_model_dir)
+    group = synthetic_group("ppo", [1.0, 0.0, 0.0, 1.0], tokens=6)
+    on_policy = with_tokens(group, logprobs=learner_logprobs(trainer, group))
+    steps = []
+    optimizer_step = trainer.optimizer.step
+    trainer.optimizer.step = lambda: (steps.append(1), optimizer_step())[1]
+    samples, _ = prepare_samples([on_policy], AdvantageNorm.GROUP_STD)
+    fig = trainer.train_step(samples, version=0)
+    assert len(steps) == fig["optimizer_steps"] == 6.0
+    # the first step is on policy (ratio 1, nothing clipped); as the policy moves, the
+    # ratio to the policy before the first step leaves the clip range
+    assert fig["ratio_dev_max_on_policy"] == 0.0
+    assert fig["clip_frac_epoch_0"] < fig["clip_frac_epoch_2"]
+    assert fig["clip_frac_epoch_2"] > 0.0
+    one = Trainer(make_config(tiny_model_dir, tmp_path, learning_rate=0.05), tiny_model_dir)
+    assert "clip_frac_epoch_0" not in one.train_step(samples, version=0)
+
+
 def test_a_tis_cap_between_zero_and_one_is_refused():
     with pytest.raises(ValueError, match="tis_cap must be 0 \\(off\\) or >= 1, got 0.5"):
         LearnerConfig(tis_cap=0.5)
