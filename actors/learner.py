@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import functools
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -58,6 +59,9 @@ from reinforge.core.messages import (
 )
 
 
+PRECISIONS = ("fp32", "bf16-autocast", "bf16")
+
+
 class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model: str = ""
     """Hugging Face-format directory of the initial policy (used when no checkpoint exists)."""
@@ -76,6 +80,13 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     micro_batch_tokens: int = 0
     """Also at most this many padded tokens per forward/backward pass (0: no bound), so a
     batch of long episodes does not take the memory of its longest times micro_batch_size."""
+    device: str = "cpu"
+    """Where the learner trains: `cpu`, `cuda` or `cuda:N`."""
+    precision: str = "fp32"
+    """`fp32`, `bf16-autocast` (float32 weights, bf16 forward passes) or `bf16` (bf16
+    weights, float32 master weights in the optimizer); logprobs are float32 in every case."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, more compute)."""
     ppo_epochs: int = 1
     """Passes over each batch; the second and later ones shuffled."""
     minibatches: int = 1
@@ -137,6 +148,12 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                      "micro_batch_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"learner config: {name} must be >= 0, got {getattr(self, name)}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"learner config: precision must be one of {PRECISIONS}, got "
+                             f"{self.precision!r}")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"learner config: device must be cpu, cuda or cuda:N, got "
+                             f"{self.device!r}")
         if not (self.tis_cap == 0 or self.tis_cap >= 1):
             raise ValueError(f"learner config: tis_cap must be 0 (off) or >= 1, got {self.tis_cap}"
                              " (a cap below 1 would down-weight on-policy tokens)")

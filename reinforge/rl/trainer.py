@@ -26,11 +26,12 @@ from reinforge.rl.grpo import (
 )
 
 
-def load_policy(model_dir: str | Path) -> Any:
-    """A Hugging Face causal LM in float32 on the CPU."""
+def load_policy(model_dir: str | Path, *, dtype: torch.dtype = torch.float32,
+                device: str = "cpu") -> Any:
+    """A Hugging Face causal LM in `dtype` on `device`."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device)
 
 
 def sequence_logprobs(
@@ -56,12 +57,15 @@ def sequence_logprobs(
     for i, s in enumerate(seqs):
         ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
         attn[i, : len(s)] = 1
+    device = next(model.parameters()).device
+    ids, attn = ids.to(device), attn.to(device)
     logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
     # output token j of sample i is predicted at position len(prompt_i) - 1 + j
-    starts = torch.tensor([len(p) - 1 for p in prompt_ids]).unsqueeze(1)
-    pos = (starts + torch.arange(t_out).unsqueeze(0)).clamp(max=length - 1)
-    mask = torch.arange(t_out).unsqueeze(0) < torch.tensor([len(o) for o in output_ids]).unsqueeze(1)
-    rows = torch.arange(b).unsqueeze(1).expand(b, t_out)
+    starts = torch.tensor([len(p) - 1 for p in prompt_ids], device=device).unsqueeze(1)
+    pos = (starts + torch.arange(t_out, device=device).unsqueeze(0)).clamp(max=length - 1)
+    lengths = torch.tensor([len(o) for o in output_ids], device=device).unsqueeze(1)
+    mask = torch.arange(t_out, device=device).unsqueeze(0) < lengths
+    rows = torch.arange(b, device=device).unsqueeze(1).expand(b, t_out)
     picked = logits[rows, pos]  # [B, T_out, V]
     targets = ids[rows, (pos + 1).clamp(max=length - 1)]
     logp = target_logprobs(picked, targets, temperature) * mask
@@ -78,7 +82,12 @@ def padded(rows: list[list[float]] | list[list[int]], width: int,
 
 
 class Trainer:
-    """The policy, an optional frozen reference, AdamW, and the GRPO step."""
+    """The policy, an optional frozen reference, AdamW, and the GRPO step.
+
+    `cfg.precision`: fp32 (float32 parameters and compute), bf16-autocast (float32
+    parameters, forward passes under bf16 autocast) or bf16 (bf16 parameters, which forward
+    passes and checkpoints use, with float32 master weights that the optimizer steps).
+    Logprobs are float32 in every case."""
 
     def __init__(
         self,
@@ -91,12 +100,16 @@ class Trainer:
         torch.set_num_threads(cfg.torch_threads)
         torch.manual_seed(cfg.seed)
         self.cfg = cfg
-        self.model = load_policy(model_dir)
+        self.device = torch.device(cfg.device)
+        self.dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+        self.model = load_policy(model_dir, dtype=self.dtype, device=cfg.device)
+        if cfg.gradient_checkpointing:  # transformers 5 renamed it (the old name warns)
+            enable = (getattr(self.model, "activation_checkpointing_enable", None)
+                      or self.model.gradient_checkpointing_enable)
+            enable()
         self.model.train()
         self.pad_id = int(self.model.config.pad_token_id or 0)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay
-        )
+        self._new_optimizer()
         if state is not None:
             self.optimizer.load_state_dict(state["optimizer"])
             torch.set_rng_state(state["rng"])
@@ -104,16 +117,29 @@ class Trainer:
         if cfg.kl_coef > 0:
             if not reference_dir:
                 raise ValueError("kl_coef > 0 needs a reference model directory")
-            self.reference = load_policy(reference_dir).eval()
+            self.reference = load_policy(reference_dir, dtype=self.dtype,
+                                         device=cfg.device).eval()
             self.reference.requires_grad_(False)
+
+    def _new_optimizer(self) -> None:
+        """AdamW over the trained parameters: the model's, or (bf16) float32 masters of them."""
+        params = list(self.model.parameters())
+        self.master = None
+        if self.dtype != torch.float32:
+            self.master = [p.detach().float().clone().requires_grad_(True) for p in params]
+        self.optimizer = torch.optim.AdamW(self.master or params, lr=self.cfg.learning_rate,
+                                           weight_decay=self.cfg.weight_decay)
+
+    def _forward(self):
+        """The context of a forward pass: bf16 autocast for `precision = "bf16-autocast"`."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16,
+                              enabled=self.cfg.precision == "bf16-autocast")
 
     def restore(self, model_dir: str | Path, state: dict[str, Any]) -> None:
         """Return the policy and optimizer to a checkpoint (a rollback); the reference stays."""
-        loaded = load_policy(model_dir)
+        loaded = load_policy(model_dir, dtype=self.dtype, device=self.cfg.device)
         self.model.load_state_dict(loaded.state_dict())
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=self.cfg.learning_rate, weight_decay=self.cfg.weight_decay
-        )
+        self._new_optimizer()
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
 
@@ -192,12 +218,12 @@ class Trainer:
         """The policy's logprobs of each sample's output tokens now (no gradient)."""
         cfg = self.cfg
         out: list[torch.Tensor] = []
-        with torch.no_grad():
+        with torch.no_grad(), self._forward():
             for mb in micro_batches(samples, cfg.micro_batch_size, cfg.micro_batch_tokens):
                 logp, _ = sequence_logprobs(self.model, [s.prompt_ids for s in mb],
                                             [s.output_ids for s in mb],
                                             temperature=cfg.temperature, pad_id=self.pad_id)
-                out += [logp[i, : len(s.output_ids)].clone() for i, s in enumerate(mb)]
+                out += [logp[i, : len(s.output_ids)].cpu() for i, s in enumerate(mb)]
         return out
 
     def _optimizer_step(self, samples: list[Any], proximal: list[torch.Tensor] | None,
@@ -215,16 +241,17 @@ class Trainer:
         for mb in micro_batches(samples, cfg.micro_batch_size, cfg.micro_batch_tokens):
             prompts = [s.prompt_ids for s in mb]
             outputs = [s.output_ids for s in mb]
-            logp, in_seq = sequence_logprobs(
-                self.model, prompts, outputs, temperature=cfg.temperature, pad_id=self.pad_id
-            )
-            width = logp.shape[1]
-            mask = padded([s.loss_mask for s in mb], width, logp.dtype) * in_seq
-            old = padded([s.logprobs for s in mb], width, logp.dtype)
-            adv = torch.tensor([s.advantage for s in mb], dtype=logp.dtype)
+            with self._forward():
+                logp, in_seq = sequence_logprobs(
+                    self.model, prompts, outputs, temperature=cfg.temperature, pad_id=self.pad_id
+                )
+            width, dev = logp.shape[1], logp.device
+            mask = padded([s.loss_mask for s in mb], width, logp.dtype).to(dev) * in_seq
+            old = padded([s.logprobs for s in mb], width, logp.dtype).to(dev)
+            adv = torch.tensor([s.advantage for s in mb], dtype=logp.dtype, device=dev)
             if cfg.tis_cap > 0:
                 first = None if proximal is None else padded(
-                    [proximal[index[id(s)]].tolist() for s in mb], width, logp.dtype)
+                    [proximal[index[id(s)]].tolist() for s in mb], width, logp.dtype).to(dev)
                 terms, tis = tis_policy_terms(logp, old, adv, mask, cap=cfg.tis_cap,
                                               clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                               logp_old=first)
@@ -237,7 +264,7 @@ class Trainer:
             policy_loss = token_mean(terms.loss, mask, num_tokens)
             loss = policy_loss
             if self.reference is not None:
-                with torch.no_grad():
+                with torch.no_grad(), self._forward():
                     ref, _ = sequence_logprobs(self.reference, prompts, outputs,
                                                temperature=cfg.temperature, pad_id=self.pad_id)
                 kl = token_mean(k3_kl(logp, ref, mask), mask, num_tokens)
@@ -251,16 +278,13 @@ class Trainer:
                 sums["clip"] += float(terms.clipped.sum()) / per_token
                 ratio = torch.exp((logp - old) * mask)  # to the behaviour policy, 1 off-mask
                 sums["ratio"] += float((ratio * mask).sum()) / per_token
-                fresh = torch.tensor([s.policy_version == version for s in mb]).unsqueeze(1)
-                dev = ((ratio - 1.0).abs() * mask * fresh).max()
-                on_policy_dev = max(on_policy_dev, float(dev))
+                fresh = torch.tensor([s.policy_version == version for s in mb],
+                                     device=dev).unsqueeze(1)
+                on_policy = ((ratio - 1.0).abs() * mask * fresh).max()
+                on_policy_dev = max(on_policy_dev, float(on_policy))
                 if gaps is not None:
-                    gaps.append(abs_logprob_gaps(logp, old, mask))
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-        )
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+                    gaps.append(abs_logprob_gaps(logp, old, mask).cpu())
+        grad_norm = self._step(cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
         step = {
             "loss": sums["loss"],
             "policy_loss": sums["policy_loss"],
@@ -275,6 +299,24 @@ class Trainer:
         if self.reference is not None:
             step["kl_ref"] = sums["kl_ref"]
         return step
+
+
+    def _step(self, max_norm: float) -> torch.Tensor:
+        """Clip the accumulated gradient and step; bf16 parameters take the stepped float32
+        masters. Returns the gradient's norm before clipping."""
+        params = list(self.model.parameters())
+        if self.master is not None:
+            for m, p in zip(self.master, params, strict=True):
+                m.grad = None if p.grad is None else p.grad.float()
+        norm = torch.nn.utils.clip_grad_norm_(self.master or params, max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.master is not None:
+            with torch.no_grad():
+                for m, p in zip(self.master, params, strict=True):
+                    p.copy_(m)
+                    p.grad = None
+        return norm
 
 
 def split_evenly(items: list[int], parts: int) -> list[list[int]]:

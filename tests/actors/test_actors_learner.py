@@ -296,6 +296,67 @@ def test_ppo_epochs_and_minibatches_take_that_many_steps_and_later_ones_clip(
     assert "clip_frac_epoch_0" not in one.train_step(samples, version=0)
 
 
+# ----------------------------------------------------------------------------- precision
+
+
+def test_bf16_training_steps_float32_masters_and_serves_their_bf16_rounding(
+        tiny_model_dir, tmp_path):
+    cfg = make_config(tiny_model_dir, tmp_path, precision="bf16", learning_rate=1e-2)
+    trainer = Trainer(cfg, tiny_model_dir)
+    params = list(trainer.model.parameters())
+    assert {p.dtype for p in params} == {torch.bfloat16}
+    assert {m.dtype for m in trainer.master} == {torch.float32}
+    before = [m.detach().clone() for m in trainer.master]
+    samples, _ = prepare_samples([synthetic_group("bf", [1.0, 0.0, 0.0, 1.0])],
+                                 AdvantageNorm.GROUP_STD)
+    fig = trainer.train_step(samples, version=0)
+    assert math.isfinite(fig["loss"]) and fig["grad_norm"] > 0
+    assert any(not torch.equal(m, b) for m, b in zip(trainer.master, before, strict=True))
+    assert all(torch.equal(p, m.to(torch.bfloat16))
+               for p, m in zip(params, trainer.master, strict=True))
+    # a rollback reloads the weights and the masters' optimizer state
+    state = trainer.state_dict(step=1, ledger={}, counters={})
+    trainer.restore(tiny_model_dir, state)
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
+    assert trainer.optimizer.state_dict()["state"].keys() == state["optimizer"]["state"].keys()
+
+
+def test_bf16_autocast_keeps_float32_weights_and_float32_logprobs_near_fp32(
+        tiny_model_dir, tmp_path):
+    group = synthetic_group("ac", [1.0, 0.0], tokens=6)
+    samples, _ = prepare_samples([group], AdvantageNorm.GROUP_STD)
+    fp32 = Trainer(make_config(tiny_model_dir, tmp_path), tiny_model_dir)
+    auto = Trainer(make_config(tiny_model_dir, tmp_path, precision="bf16-autocast"),
+                   tiny_model_dir)
+    a, b = fp32.logprobs(samples), auto.logprobs(samples)
+    assert all(x.dtype == torch.float32 for x in b)
+    gap = max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
+    assert 0.0 < gap < 0.2  # bf16 matmuls: near, not equal
+    auto.train_step(samples, version=0)
+    assert {p.dtype for p in auto.model.parameters()} == {torch.float32}
+
+
+def test_gradient_checkpointing_gives_the_same_gradient(tiny_model_dir, tmp_path):
+    group = synthetic_group("gc", [1.0, 0.0, 0.0, 1.0], tokens=6)
+    grads = []
+    for checkpointing in (False, True):
+        trainer = Trainer(make_config(tiny_model_dir, tmp_path, max_grad_norm=0.0,
+                                      gradient_checkpointing=checkpointing), tiny_model_dir)
+        assert trainer.model.is_activation_checkpointing == checkpointing
+        recorder = GradientRecorder(trainer)
+        samples, _ = prepare_samples([group], AdvantageNorm.GROUP_STD)
+        trainer.train_step(samples, version=0)
+        grads.append(recorder.grads)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(*grads, strict=True))
+
+
+@pytest.mark.parametrize("bad, why", [({"precision": "fp16"}, "precision must be one of"),
+                                      ({"device": "tpu"}, "device must be cpu, cuda or cuda:N")])
+def test_an_unknown_precision_or_device_is_refused(bad, why):
+    with pytest.raises(ValueError, match=why):
+        LearnerConfig(**bad)
+
+
 def test_a_tis_cap_between_zero_and_one_is_refused():
     with pytest.raises(ValueError, match="tis_cap must be 0 \\(off\\) or >= 1, got 0.5"):
         LearnerConfig(tis_cap=0.5)
