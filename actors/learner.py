@@ -62,6 +62,22 @@ from reinforge.core.messages import (
 PRECISIONS = ("fp32", "bf16-autocast", "bf16")
 
 
+class LoraSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Train low-rank adapters (peft's LoRA) instead of every weight."""
+
+    r: int = 16
+    alpha: float = 32.0
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                "up_proj", "down_proj")
+    """Names of the linear modules that get adapters."""
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.r < 1 or self.alpha <= 0 or not self.targets or not 0 <= self.dropout < 1:
+            raise ValueError("learner config: lora needs r >= 1, alpha > 0, some targets and "
+                             "0 <= dropout < 1")
+
+
 class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model: str = ""
     """Hugging Face-format directory of the initial policy (used when no checkpoint exists)."""
@@ -87,6 +103,10 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     weights, float32 master weights in the optimizer); logprobs are float32 in every case."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, more compute)."""
+    lora: LoraSettings | None = None
+    """Train LoRA adapters on `model` (frozen) instead of the whole policy. Each version is
+    published with the adapters merged, so rollout servers load plain weights; the adapters
+    and their optimizer state live in the checkpoint's trainer state."""
     ppo_epochs: int = 1
     """Passes over each batch; the second and later ones shuffled."""
     minibatches: int = 1
@@ -543,7 +563,7 @@ class Learner(Actor):
         t0 = time.monotonic()
         with self.ctx.waiting("checkpoint write", deadline_s=300):
             path = await trio.to_thread.run_sync(lambda: ckpt.save_model_checkpoint(
-                ckpt.version_dir(self.root, version), model=self.trainer.model,
+                ckpt.version_dir(self.root, version), model=self.trainer.export_model(),
                 tokenizer_src=self.tokenizer_src, version=version, step=self.step,
                 trainer_state=state))
         self.version = version

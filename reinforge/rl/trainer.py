@@ -102,7 +102,13 @@ class Trainer:
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         self.dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-        self.model = load_policy(model_dir, dtype=self.dtype, device=cfg.device)
+        # LoRA adapts the frozen base model: a resumed run loads it, not a merged checkpoint
+        base = cfg.model if cfg.lora is not None and cfg.model else model_dir
+        self.model = load_policy(base, dtype=self.dtype, device=cfg.device)
+        if cfg.lora is not None:
+            self.model = with_lora(self.model, cfg.lora)
+            if state is not None and "lora" in state:
+                self._load_adapters(state["lora"])
         if cfg.gradient_checkpointing:  # transformers 5 renamed it (the old name warns)
             enable = (getattr(self.model, "activation_checkpointing_enable", None)
                       or self.model.gradient_checkpointing_enable)
@@ -122,13 +128,36 @@ class Trainer:
             self.reference.requires_grad_(False)
 
     def _new_optimizer(self) -> None:
-        """AdamW over the trained parameters: the model's, or (bf16) float32 masters of them."""
-        params = list(self.model.parameters())
+        """AdamW over the trained parameters (all, or LoRA's adapters), or (bf16) float32
+        masters of them."""
+        params = self._trained()
         self.master = None
         if self.dtype != torch.float32:
             self.master = [p.detach().float().clone().requires_grad_(True) for p in params]
         self.optimizer = torch.optim.AdamW(self.master or params, lr=self.cfg.learning_rate,
                                            weight_decay=self.cfg.weight_decay)
+
+    def _trained(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _adapters(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()
+                if p.requires_grad}
+
+    def _load_adapters(self, adapters: dict[str, torch.Tensor]) -> None:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, value in adapters.items():
+                params[name].copy_(value)
+
+    def export_model(self) -> Any:
+        """The policy to publish: the model, or with LoRA a copy with the adapters merged
+        into plain weights (what a rollout server loads)."""
+        if self.cfg.lora is None:
+            return self.model
+        import copy
+
+        return copy.deepcopy(self.model).merge_and_unload()
 
     def _forward(self):
         """The context of a forward pass: bf16 autocast for `precision = "bf16-autocast"`."""
@@ -136,9 +165,13 @@ class Trainer:
                               enabled=self.cfg.precision == "bf16-autocast")
 
     def restore(self, model_dir: str | Path, state: dict[str, Any]) -> None:
-        """Return the policy and optimizer to a checkpoint (a rollback); the reference stays."""
-        loaded = load_policy(model_dir, dtype=self.dtype, device=self.cfg.device)
-        self.model.load_state_dict(loaded.state_dict())
+        """Return the policy and optimizer to a checkpoint (a rollback); the reference stays.
+        With LoRA only the adapters move (the base is frozen)."""
+        if self.cfg.lora is not None:
+            self._load_adapters(state["lora"])
+        else:
+            loaded = load_policy(model_dir, dtype=self.dtype, device=self.cfg.device)
+            self.model.load_state_dict(loaded.state_dict())
         self._new_optimizer()
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
@@ -146,7 +179,7 @@ class Trainer:
     def state_dict(self, *, step: int, ledger: dict[str, int], counters: dict[str, int],
                    tasks: dict[str, str] | None = None,
                    rollbacks_applied: list[str] | None = None) -> dict[str, Any]:
-        return {
+        state = {
             "step": step,
             "optimizer": self.optimizer.state_dict(),
             "rng": torch.get_rng_state(),
@@ -155,6 +188,9 @@ class Trainer:
             "counters": dict(counters),
             "rollbacks_applied": list(rollbacks_applied or []),
         }
+        if self.cfg.lora is not None:
+            state["lora"] = self._adapters()
+        return state
 
     def train_step(self, samples: list[Any], version: int) -> dict[str, float]:
         """Train on one batch of `samples` (TrainSample-like); returns its figures.
@@ -304,7 +340,7 @@ class Trainer:
     def _step(self, max_norm: float) -> torch.Tensor:
         """Clip the accumulated gradient and step; bf16 parameters take the stepped float32
         masters. Returns the gradient's norm before clipping."""
-        params = list(self.model.parameters())
+        params = self._trained()
         if self.master is not None:
             for m, p in zip(self.master, params, strict=True):
                 m.grad = None if p.grad is None else p.grad.float()
@@ -317,6 +353,21 @@ class Trainer:
                     p.copy_(m)
                     p.grad = None
         return norm
+
+
+def with_lora(model: Any, lora: Any) -> Any:
+    """`model` with peft's LoRA adapters on `lora.targets`, only they trainable."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:
+        raise RuntimeError(f"learner: lora needs peft ({exc})") from None
+    import warnings
+
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=list(lora.targets),
+                        lora_dropout=lora.dropout, bias="none", task_type="CAUSAL_LM")
+    with warnings.catch_warnings():  # peft reads transformers' renamed checkpointing flag
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        return get_peft_model(model, config)
 
 
 def split_evenly(items: list[int], parts: int) -> list[list[int]]:

@@ -350,6 +350,40 @@ def test_gradient_checkpointing_gives_the_same_gradient(tiny_model_dir, tmp_path
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(*grads, strict=True))
 
 
+def test_lora_trains_only_adapters_and_publishes_merged_weights_the_engine_serves(
+        tiny_model_dir, tmp_path):
+    from reinforge.actors.learner import LoraSettings
+    from reinforge.engine.loader import load_model
+
+    cfg = make_config(tiny_model_dir, tmp_path, learning_rate=1e-2,
+                      lora=LoraSettings(r=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj")))
+    trainer = Trainer(cfg, tiny_model_dir)
+    base = {n: p.detach().clone() for n, p in trainer.model.named_parameters()
+            if not p.requires_grad}
+    adapters = trainer.state_dict(step=0, ledger={}, counters={})["lora"]
+    assert adapters and all("lora_" in n for n in adapters)
+    samples, _ = prepare_samples([synthetic_group("lora", [1.0, 0.0, 0.0, 1.0], tokens=6)],
+                                 AdvantageNorm.GROUP_STD)
+    trainer.train_step(samples, version=0)
+    trainer.train_step(samples, version=1)  # a LoRA B starts at zero: the A's move at step 2
+    after = dict(trainer.model.named_parameters())
+    assert all(torch.equal(after[n], b) for n, b in base.items())  # the base is frozen
+    state = trainer.state_dict(step=2, ledger={}, counters={})
+    assert all(not torch.equal(state["lora"][n], adapters[n]) for n in adapters)
+    # published merged: a plain checkpoint the engine loads, computing what the learner does
+    path = ckpt.save_model_checkpoint(tmp_path / "v2", model=trainer.export_model(),
+                                      tokenizer_src=tiny_model_dir, version=2, step=2)
+    ids = torch.tensor(samples[0].prompt_ids + samples[0].output_ids)
+    with torch.no_grad():
+        want = trainer.model(input_ids=ids[None]).logits[0]
+    got = load_model(path).prefill(ids, all_logits=True)
+    assert (want - got).abs().max().item() < 1e-4
+    # a restarted learner resumes the adapters from the trainer state, on the base model
+    again = Trainer(cfg, path, state)
+    assert all(torch.equal(dict(again.model.named_parameters())[n], v)
+               for n, v in state["lora"].items())
+
+
 @pytest.mark.parametrize("bad, why", [({"precision": "fp16"}, "precision must be one of"),
                                       ({"device": "tpu"}, "device must be cpu, cuda or cuda:N")])
 def test_an_unknown_precision_or_device_is_refused(bad, why):
