@@ -35,7 +35,7 @@ from reinforge.envs.tools import (
     encode_transcript,
     parse_tool_call,
 )
-from reinforge.rl.prompts import end_of_turn_ids, observation_ids
+from reinforge.rl.prompts import observation_ids, turn_closer
 
 Generate = Callable[[list[int], list[str]], Awaitable[Any]]
 """(ids so far, stop strings) -> one `Sample` of the policy, or None: the server refused the
@@ -102,7 +102,6 @@ async def _tool_episode(episode: Any, tools: Sequence[Tool], prompt_ids: list[in
                         step_context: Callable[[], AbstractContextManager[Any]]) -> EpisodeTrace:
     ep = EpisodeTrace()
     ids = list(prompt_ids)
-    ends_turn = end_of_turn_ids(tokenizer)
     transcript: list[TranscriptTurn] = []
     for _ in range(episode.max_turns):
         s = await generate(ids, [])
@@ -127,9 +126,8 @@ async def _tool_episode(episode: Any, tools: Sequence[Tool], prompt_ids: list[in
         if done:
             ep.finish_reason = "stop"
             break
-        closed = bool(s.output_ids) and s.output_ids[-1] in ends_turn
         env = observation_ids(tokenizer, obs, tools=tools, chat_template=chat_template,
-                              turn_closed=closed)
+                              closed_by=turn_closer(tokenizer, s.output_ids))
         ids += env
         ep.add_environment(env)
     ep.completion = encode_transcript(transcript)

@@ -62,14 +62,15 @@ def task_prompt_ids(tokenizer: Any, prompt: str, *, chat_template: bool = True,
                             chat_template=chat_template, tools=tools)
 
 
-def observation_ids(tokenizer: Any, content: str, *, tools: Sequence[Tool] = (),
-                    chat_template: bool = True, turn_closed: bool = True) -> list[int]:
-    """The tokens the environment appends after a policy turn: the rest of the turn's end
-    (all of it when the policy did not close the turn with its end-of-turn token), the
-    tool message with `content`, and the prompt of the next assistant turn.
+def observation_ids(tokenizer: Any, content: str, *, closed_by: str | None,
+                    tools: Sequence[Tool] = (), chat_template: bool = True) -> list[int]:
+    """The tokens the environment appends after a policy turn: the rest of the turn's end,
+    the tool message with `content`, and the prompt of the next assistant turn.
 
-    Taken as the difference of two renderings of one conversation, so it is exactly what
-    the template would produce for the whole episode."""
+    `closed_by`: the special token that ended the policy's turn (`turn_closer`), whose text
+    the template's end of turn then starts with; None when the turn was cut (all of the end
+    is the environment's). Taken as the difference of two renderings of one conversation,
+    so it is exactly what the template would produce for the whole episode."""
     convo = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
     before = render_messages(tokenizer, convo, tools=tools, chat_template=chat_template,
                              add_generation_prompt=False)
@@ -79,13 +80,14 @@ def observation_ids(tokenizer: Any, content: str, *, tools: Sequence[Tool] = (),
         raise ValueError("the chat template rewrites earlier turns when a tool message is "
                          "added; tool episodes need an append-only template")
     closing = before[before.rindex("!") + 1:]  # what ends an assistant turn, e.g. <|im_end|>\n
-    eos = getattr(tokenizer, "eos_token", None) if chat_template else None
-    if turn_closed and eos and closing.startswith(eos):
-        closing = closing[len(eos):]  # the policy wrote the end-of-turn token itself
+    if closed_by and closing.startswith(closed_by):
+        closing = closing[len(closed_by):]  # the policy wrote that token itself
     return list(tokenizer.encode(closing + after[len(before):], add_special_tokens=False))
 
 
-def end_of_turn_ids(tokenizer: Any) -> set[int]:
-    """Token ids that end a policy turn (the tokenizer's EOS)."""
-    eos = getattr(tokenizer, "eos_token_id", None)
-    return set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+def turn_closer(tokenizer: Any, output_ids: list[int]) -> str | None:
+    """The text of the special token that ended a turn (EOS, Llama-3's <|eot_id|>, ...), or
+    None when the turn ended on an ordinary token (cut by the length limit)."""
+    if not output_ids or output_ids[-1] not in set(tokenizer.all_special_ids):
+        return None
+    return tokenizer.convert_ids_to_tokens(output_ids[-1])

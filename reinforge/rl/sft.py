@@ -130,7 +130,7 @@ def encode_demo(tokenizer: Any, demo: Demo, *,
         mask += [1] * len(said)
         if i < len(turns) - 1:
             env = observation_ids(tokenizer, turn.observation, tools=demo.tools,
-                                  chat_template=chat_template)
+                                  chat_template=chat_template, closed_by=tokenizer.eos_token)
             ids += env
             mask += [0] * len(env)
     return ids, mask

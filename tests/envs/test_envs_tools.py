@@ -18,7 +18,7 @@ from reinforge.envs.tools import (
     policy_turns,
     render_call,
 )
-from reinforge.rl.prompts import observation_ids, render_messages, task_prompt_ids
+from reinforge.rl.prompts import observation_ids, render_messages, task_prompt_ids, turn_closer
 
 PY = Tool(name="python", description="run Python", parameters={
     "type": "object", "properties": {"code": {"type": "string"}, "timeout": {"type": "integer"}},
@@ -46,7 +46,8 @@ def test_a_well_formed_call_is_parsed_and_a_turn_without_one_is_the_final_answer
     ("done</tool_call>", "</tool_call> without <tool_call>"),
     (call('{"name": "bash", "arguments": {"command": "ls"'), "not valid JSON"),
     (call('["bash", "ls"]'), '{"name": <tool>, "arguments": {...}}'),
-    (call('{"name": "rm_rf", "arguments": {}}'), "unknown tool 'rm_rf'; the tools are bash, python"),
+    (call('{"name": "rm_rf", "arguments": {}}'),
+     "unknown tool 'rm_rf'; the tools are bash, python"),
     (call('{"name": "bash", "arguments": {}}'), "bash: missing arguments command"),
     (call('{"name": "bash", "arguments": {"command": "ls", "sudo": true}}'),
      "bash: unexpected arguments sudo"),
@@ -111,17 +112,24 @@ QWEN_LIKE = (  # renders tools and tool messages itself (as Qwen2 templates do)
 )
 
 
-@pytest.mark.parametrize("template", ["without tools (the tiny policy's)", "qwen-like"])
+@pytest.mark.parametrize("template", ["without tools (the tiny policy's)", "qwen-like",
+                                      "llama-3-like"])
 def test_prompt_turns_and_observations_add_up_to_the_templates_whole_conversation(tok, template):
-    if template == "qwen-like":
+    closer = tok.eos_token_id
+    if template != "without tools (the tiny policy's)":
         tok = AutoTokenizer.from_pretrained(tok.name_or_path)
         tok.chat_template = QWEN_LIKE
+    if template == "llama-3-like":  # turns end with a special token that is not the EOS
+        tok.add_special_tokens({"additional_special_tokens": ["<|eot_id|>"]})
+        tok.chat_template = QWEN_LIKE.replace("<|im_end|>", "<|eot_id|>")
+        closer = tok.convert_tokens_to_ids("<|eot_id|>")
+        assert closer != tok.eos_token_id
     said = [bash("ls"), bash("cat notes.txt")]
     seen = ["notes.txt\n[exit 0]", "hello\n[exit 0]"]
     ids = task_prompt_ids(tok, "List the files.", tools=TOOLS)
-    for text, obs in zip(said, seen, strict=True):  # the policy closes each turn with EOS
-        ids += tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
-        ids += observation_ids(tok, obs, tools=TOOLS)
+    for text, obs in zip(said, seen, strict=True):  # the policy closes each turn itself
+        turn = tok.encode(text, add_special_tokens=False) + [closer]
+        ids += turn + observation_ids(tok, obs, tools=TOOLS, closed_by=turn_closer(tok, turn))
     convo = [{"role": "user", "content": "List the files."}]
     for text, obs in zip(said, seen, strict=True):
         convo += [{"role": "assistant", "content": text}, {"role": "tool", "content": obs}]
@@ -132,6 +140,9 @@ def test_prompt_turns_and_observations_add_up_to_the_templates_whole_conversatio
 
 
 def test_a_turn_cut_before_its_end_is_closed_by_the_environment(tok):
-    closed = observation_ids(tok, "x", tools=TOOLS, turn_closed=True)
-    cut = observation_ids(tok, "x", tools=TOOLS, turn_closed=False)
+    ordinary = tok.encode("}", add_special_tokens=False)
+    assert turn_closer(tok, ordinary) is None  # cut by the length limit
+    assert turn_closer(tok, ordinary + [tok.eos_token_id]) == tok.eos_token
+    closed = observation_ids(tok, "x", tools=TOOLS, closed_by=tok.eos_token)
+    cut = observation_ids(tok, "x", tools=TOOLS, closed_by=None)
     assert cut == [tok.eos_token_id] + closed
