@@ -33,6 +33,7 @@ the regression guard that rolls a bad version back.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import tempfile
 import time
@@ -55,6 +56,7 @@ from reinforge.rl.scoring import DomainScore, answer_signature, drop_test, score
 from reinforge.core import paths, subjects
 from reinforge.core.actor import Actor, Input
 from reinforge.core.atomic import write_json_atomic
+from reinforge.core.weights import WeightsUnavailable, local_weights
 from reinforge.core.messages import EvalStats, Rollback, Task, WeightsPublished, decode
 from reinforge.engine.tokenizer import load_tokenizer
 from reinforge.envs.domain import TaskSpec
@@ -567,6 +569,14 @@ class Evaluator(Actor):
         cfg: EvaluatorConfig = self.config
         gone = VersionGone(f"v{msg.version} skipped: {msg.path} is gone (set the learner's "
                            "keep_every to the evaluator's every_versions)")
+        if msg.store and not Path(msg.path).is_dir():  # not this host's disk: fetch it
+            try:
+                local = await local_weights(self.ctx.bus, msg.path, msg.store, msg.version,
+                                            Path(tempfile.gettempdir()) / f"rf-eval-weights-"
+                                            f"{self.ctx.run}-{os.getpid()}")
+            except WeightsUnavailable as exc:
+                raise gone from exc
+            msg = msgspec.structs.replace(msg, path=local)
         if not Path(msg.path).is_dir():
             raise gone
         try:

@@ -46,6 +46,7 @@ from reinforge.rl.curriculum import group_has_signal
 from reinforge.rl.grpo import AdvantageNorm, is_too_stale, segment_staleness, staleness
 from reinforge.rl.samples import prepare_samples, sample_is_valid
 from reinforge.core import paths, subjects
+from reinforge.core.weights import delete_versions, put_version
 from reinforge.core.cluster import RUN_DEFAULTS
 from reinforge.core.actor import Actor, Input, Ticket, ack_all
 from reinforge.core.messages import (
@@ -103,6 +104,10 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     weights, float32 master weights in the optimizer); logprobs are float32 in every case."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, more compute)."""
+    publish_weights: str = "path"
+    """`path`: samplers load each version from the checkpoint path (one host, or a shared
+    disk). `store`: each version is also put into the run's JetStream object store, from
+    which hosts without that path fetch it (`core/weights.py`)."""
     lora: LoraSettings | None = None
     """Train LoRA adapters on `model` (frozen) instead of the whole policy. Each version is
     published with the adapters merged, so rollout servers load plain weights; the adapters
@@ -168,6 +173,9 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                      "micro_batch_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"learner config: {name} must be >= 0, got {getattr(self, name)}")
+        if self.publish_weights not in ("path", "store"):
+            raise ValueError(f"learner config: publish_weights must be 'path' or 'store', got "
+                             f"{self.publish_weights!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"learner config: precision must be one of {PRECISIONS}, got "
                              f"{self.precision!r}")
@@ -575,6 +583,9 @@ class Learner(Actor):
         await trio.to_thread.run_sync(functools.partial(
             ckpt.prune_checkpoints, self.root, cfg.keep_last, (version,),
             keep_every=cfg.keep_every))
+        if cfg.publish_weights == "store":  # the store keeps what the disk keeps
+            kept = {v for v, _ in ckpt.list_checkpoints(self.root)}
+            await delete_versions(self.ctx.bus, subjects.weights_bucket(self.ctx.run), kept)
         figures.update(step_figures)
         figures.update({
             "wait_s": wait_s, "checkpoint_s": time.monotonic() - t0,
@@ -635,9 +646,13 @@ class Learner(Actor):
                 self.journal.append(task_id, outcome, ids_by_task.get(task_id, {}))
 
     async def _publish_weights(self, version: int, path: Path) -> None:
+        store = ""
+        if self.config.publish_weights == "store":  # before the message: fetchable once seen
+            with self.ctx.waiting(f"putting v{version} into the object store", deadline_s=300):
+                store = await put_version(self.ctx.bus, self.ctx.run, version, path)
         await self.ctx.publish_durable(
             subjects.weights(self.ctx.run),
-            WeightsPublished(version=version, path=str(path), step=self.step),
+            WeightsPublished(version=version, path=str(path), step=self.step, store=store),
             msg_id=f"weights:{version}:{ckpt.created_at(path)}",
         )
 

@@ -55,6 +55,7 @@ from reinforge.rl.prompts import task_prompt_ids
 from reinforge.rollout.server import BACKENDS, ServerProcess, ServerSpec
 from reinforge.envs.sandbox.owned import hold_sandbox_runner, sandbox_labels
 from reinforge.core import subjects
+from reinforge.core.weights import local_weights
 from reinforge.core.cluster import RUN_DEFAULTS
 from reinforge.engine.tokenizer import load_tokenizer
 from reinforge.core.actor import Actor, Input, Reject, Retry
@@ -373,6 +374,7 @@ class SamplerActor(Actor):
             version, path, newer_only = msg.version, msg.path, True
         else:
             version, path, newer_only = msg.to_version, msg.path, False
+        store = msg.store or subjects.weights_bucket(self.ctx.run)
         def stale() -> bool:
             return version == self.version or (newer_only and version < self.version)
 
@@ -382,6 +384,10 @@ class SamplerActor(Actor):
             if stale():
                 return
             assert self.client is not None
+            with self.ctx.waiting(f"fetching weights v{version}", deadline_s=600):
+                # this host may not have the learner's disk: then from the object store
+                path = await local_weights(self.ctx.bus, path, store, version,
+                                           Path(self._tmp) / "weights")
             with self.ctx.waiting(f"rollout server loading weights v{version}", deadline_s=600):
                 await self.client.update_weights_from_disk(path, weight_version=str(version))
                 served = await self.client.weight_version()

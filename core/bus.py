@@ -382,6 +382,22 @@ class Bus:
         await self.js_call(ensure, what=f"creating stream {name}")
         return name
 
+    async def object_store(self, bucket: str, *, create: bool = False) -> Any:
+        """nats-py's ObjectStore for `bucket` (file storage), created when `create`; call
+        its coroutines through `js_call`."""
+
+        async def open_it() -> Any:
+            try:
+                return await self._js.object_store(bucket)
+            except nats.js.errors.BucketNotFoundError:
+                if not create:
+                    raise
+                config = js_api.ObjectStoreConfig(bucket=bucket,
+                                                  storage=js_api.StorageType.FILE)
+                return await self._js.create_object_store(bucket, config=config)
+
+        return await self.js_call(open_it, what=f"opening object store {bucket}")
+
     async def js_call(self, call: Callable[[], Awaitable[Any]], *, what: str,
                       deadline_s: float = 60.0) -> Any:
         """Run a JetStream API call, retrying while the cluster cannot answer (a leader

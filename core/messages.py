@@ -188,6 +188,9 @@ class WeightsPublished(_Msg, frozen=True, tag="weights/1"):
     version: int
     path: str
     step: int = 0
+    store: str = ""
+    """The object store (`core/weights.py`) that also holds the version's files, for hosts
+    where `path` is not on disk; "" = the path only (a shared disk)."""
 
 
 class Rollback(_Msg, frozen=True, tag="rollback/1"):
@@ -196,6 +199,8 @@ class Rollback(_Msg, frozen=True, tag="rollback/1"):
     to_version: int
     path: str
     reason: str
+    store: str = ""
+    """As WeightsPublished.store."""
 
 
 class TrainStats(_Msg, frozen=True, tag="train-stats/1"):

@@ -28,6 +28,11 @@ def stream_name(run: str) -> str:
     return f"RL_{check_token(run, 'run name')}"
 
 
+def weights_bucket(run: str) -> str:
+    """The JetStream object store a run's weights travel in when no disk is shared."""
+    return f"RL_{check_token(run, 'run name')}_weights"
+
+
 def data_wildcard(run: str) -> str:
     return f"rl.{run}.>"
 

@@ -647,6 +647,45 @@ def test_a_learner_killed_with_a_partial_group_loses_nothing_and_counts_nothing_
                                **{s.rollout.rollout_id: 1 for s in group_b}}
 
 
+@pytest.mark.nats
+def test_a_learner_publishing_to_the_store_makes_each_version_fetchable_elsewhere_and_prunes_it(
+    creds, run_name, tiny_model_dir, tmp_path
+):
+    from reinforge.core.weights import fetch_version
+
+    cfg = make_config(tiny_model_dir, tmp_path, groups_per_version=1, keep_last=2,
+                      max_staleness=5, publish_weights="store")
+    groups = [synthetic_group(t, [1.0, 0.0, 0.0, 1.0], version=0) for t in "abc"]
+
+    async def main():
+        async with open_bus(creds) as bus:
+            stats: list = []
+            async with trio.open_nursery() as nursery:
+                stream = await bus.ensure_run_stream(run_name)
+                await nursery.start(collect_stats, bus, run_name, stats)
+                await nursery.start(functools.partial(run_actor, Learner, creds=creds,
+                                                      run=run_name, config=cfg))
+                for i, g in enumerate(groups, 1):
+                    await publish(bus, run_name, g)
+                    w = await wait_for_version(bus, stream, run_name, i)
+                with trio.fail_after(30):  # a step's stats go out after its pruning
+                    while len(stats) < 3:
+                        await trio.sleep(0.1)
+                nursery.cancel_scope.cancel()
+            fetched = await fetch_version(bus, w.store, 3, tmp_path / "elsewhere" / "v3")
+            store = await bus.object_store(w.store)
+            names = {o.name for o in await bus.js_call(store.list, what="list") if not o.deleted}
+            return w, fetched, names
+
+    w, fetched, names = trio.run(main)
+    assert (w.version, w.store) == (3, subjects.weights_bucket(run_name))
+    disk = Path(w.path)
+    assert {p.name for p in fetched.iterdir()} == {p.name for p in disk.iterdir() if p.is_file()}
+    assert (fetched / "model.safetensors").read_bytes() == \
+        (disk / "model.safetensors").read_bytes()
+    assert {n.split("/")[0] for n in names} == {"v2", "v3"}  # v1 was pruned with keep_last 2
+
+
 def partial_group(task_id: str, rewards: list[float], versions: tuple[int, int]):
     """A group of two-turn rollouts (policy, environment, policy tokens) whose turns come
     from `versions`: partial rollouts that spanned a weights update."""

@@ -412,6 +412,38 @@ def test_a_sampler_started_late_loads_the_newest_stored_version_and_follows_a_ro
 
 
 @pytest.mark.nats
+@pytest.mark.slow
+def test_a_sampler_without_the_checkpoint_on_its_disk_fetches_the_version_from_the_store(
+    creds, run_name, tiny_model_dir, tmp_path
+):
+    from reinforge.core.weights import put_version
+
+    v1 = perturbed_copy(tiny_model_dir, tmp_path / "v1", seed=1)
+    cfg = SamplerConfig(model_path=str(tiny_model_dir), temperature=0.0, max_new_tokens=4,
+                        server_args=["--max-total-tokens", "8192"], weights_poll_s=30.0)
+
+    async def main():
+        async with open_bus(creds) as bus, trio.open_nursery() as nursery:
+            await bus.ensure_run_stream(run_name)
+            bucket = await put_version(bus, run_name, 1, v1)
+            shutil.rmtree(v1)  # the learner's disk is not this host's
+            await nursery.start(functools.partial(
+                run_actor, SamplerActor, creds=creds, run=run_name, config=cfg,
+                runtime=RuntimeConfig(heartbeat_s=0.3)))
+            await bus.publish_durable(subjects.weights(run_name), m.WeightsPublished(
+                version=1, path=str(v1), store=bucket), msg_id="weights:1")
+            await wait_for_figure(bus, run_name, "policy_version", 1.0, 120)
+            (task,) = math_tasks("far", 1, 1)
+            await bus.publish_durable(subjects.task(run_name, "math"), task, msg_id="far")
+            got = await collect_rollouts(bus, run_name, {"far0:0:1"}, timeout_s=120,
+                                         group="far")
+            nursery.cancel_scope.cancel()
+        return got
+
+    assert trio.run(main)["far0:0:1"].policy_version == 1
+
+
+@pytest.mark.nats
 @pytest.mark.podman
 @pytest.mark.slow
 def test_a_terminal_task_runs_as_a_multi_turn_episode_in_the_sandbox(
