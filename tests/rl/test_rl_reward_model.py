@@ -1,0 +1,68 @@
+"""Reward models: the synthetic preference task follows its hidden rule, bad rows are
+refused with FILE:LINE, and a short Bradley-Terry run on the tiny policy learns the rule
+well past chance on held-out pairs (and is reused, not retrained, when nothing changed)."""
+
+import json
+import random
+
+import pytest
+from reinforge.rl.reward_model import (
+    RMConfig,
+    follows_rule,
+    load_rows,
+    synthetic_pairs,
+    train_reward_model,
+)
+
+
+def test_the_synthetic_pairs_prefer_exactly_the_answers_that_follow_the_hidden_rule():
+    pairs = synthetic_pairs(seed=3, n=400)
+    assert pairs == synthetic_pairs(seed=3, n=400)  # deterministic by seed
+    assert all(follows_rule(p.prompt, p.chosen) for p in pairs)
+    assert not any(follows_rule(p.prompt, p.rejected) for p in pairs)
+    # both ways of breaking the rule occur: wrong colour and wrong length
+    colours = [p.prompt.rsplit(", ", 1)[-1].rstrip(".") in p.rejected.split() for p in pairs]
+    assert 0.3 < sum(colours) / len(pairs) < 0.7
+
+
+@pytest.mark.parametrize("rows, why", [
+    (['{"prompt": "p", "chosen": "a"}'], "rm.jsonl:1: not a {prompt, chosen, rejected} row"),
+    (['{"prompt": "p", "response": "a", "score": 2}'], "rm.jsonl:1: score must be in [0, 1]"),
+    (['{"prompt": "p", "chosen": "a", "rejected": "b"}',
+      '{"prompt": "p", "response": "a", "score": 1}'], "rm.jsonl:2: a file holds pairs or"),
+    (["", "not json"], "rm.jsonl:2: not JSON"),
+])
+def test_bad_rows_are_refused_with_their_line(tmp_path, rows, why):
+    path = tmp_path / "rm.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    with pytest.raises(ValueError) as info:
+        load_rows(path)
+    assert why in str(info.value)
+
+
+@pytest.mark.slow
+def test_a_short_bradley_terry_run_learns_the_hidden_rule_and_is_cached(tiny_model_dir,
+                                                                       tmp_path):
+    cfg = RMConfig(model=str(tiny_model_dir), out=str(tmp_path / "rm"), synthetic=400,
+                   held_out=0.25, steps=150, batch_size=8, learning_rate=1e-3, torch_threads=1)
+    first = train_reward_model(cfg)
+    assert first["kind"] == "pairs" and first["held_out_rows"] == 100
+    assert first["held_out_pairwise_accuracy"] >= 0.75  # chance is 0.5
+    assert first["loss_last10_mean"] < first["loss_first"]
+    again = train_reward_model(cfg)
+    assert again["cached"] and again["held_out_pairwise_accuracy"] == \
+        first["held_out_pairwise_accuracy"]
+
+
+@pytest.mark.slow
+def test_graded_rows_train_a_pointwise_scorer(tiny_model_dir, tmp_path):
+    rng = random.Random(0)
+    rows = [{"prompt": p.prompt, "response": r, "score": s}
+            for p in synthetic_pairs(1, 200) for r, s in ((p.chosen, 1.0), (p.rejected, 0.0))]
+    rng.shuffle(rows)
+    data = tmp_path / "graded.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = RMConfig(model=str(tiny_model_dir), out=str(tmp_path / "rm"), data=str(data),
+                   held_out=0.25, steps=300, batch_size=8, learning_rate=3e-4, torch_threads=1)
+    result = train_reward_model(cfg)
+    assert result["kind"] == "graded" and result["held_out_mae"] < 0.45  # a constant: 0.5
