@@ -15,6 +15,7 @@ output directory.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -224,6 +225,30 @@ def save_model_checkpoint(
 
     manifest = Manifest(version=version, step=step, extra=dict(extra or {}))
     return write_atomic_dir(final, fill, manifest, replace=replace)
+
+
+def inputs_digest(kind: str, model_dir: str | Path, data: bytes,
+                  settings: dict[str, Any]) -> str:
+    """What determines a trained model (SFT, a reward model): its kind and format, the
+    starting model's files, the training data and the settings."""
+    h = hashlib.sha256(kind.encode())
+    for path in sorted(Path(model_dir).iterdir()):
+        if path.is_file() and path.name != MANIFEST:
+            h.update(path.name.encode())
+            h.update(hashlib.sha256(path.read_bytes()).digest())
+    h.update(data)
+    h.update(json.dumps(settings, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def cached_result(out: str | Path, digest: str) -> dict[str, Any] | None:
+    """The summary of a model trained into `out` from the same inputs (`inputs_digest`),
+    or None when it must be trained (again)."""
+    existing = read_manifest(out)
+    if existing is None or existing.extra.get("input_hash") != digest:
+        return None
+    return {"out": str(Path(out).absolute()), "cached": True, "input_hash": digest,
+            **existing.extra.get("summary", {})}
 
 
 def load_trainer_state(path: str | Path) -> dict[str, Any]:

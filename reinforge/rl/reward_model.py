@@ -20,7 +20,6 @@ the two.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import time
@@ -162,17 +161,10 @@ def load_reward_model(model_dir: str | Path) -> Any:
 
 
 def input_hash(cfg: RMConfig, rows: list[Any]) -> str:
-    h = hashlib.sha256(RM_FORMAT.encode())
-    for path in sorted(Path(cfg.model).iterdir()):
-        if path.is_file() and path.name != ckpt.MANIFEST:
-            h.update(path.name.encode())
-            h.update(hashlib.sha256(path.read_bytes()).digest())
-    h.update(msgspec.json.encode(rows))
     settings = msgspec.structs.asdict(cfg)
     for key in ("model", "out", "data", "torch_threads"):
-        settings.pop(key)
-    h.update(json.dumps(settings, sort_keys=True).encode())
-    return h.hexdigest()
+        settings.pop(key)  # the rows themselves are hashed
+    return ckpt.inputs_digest(RM_FORMAT, cfg.model, msgspec.json.encode(rows), settings)
 
 
 def train_reward_model(cfg: RMConfig,
@@ -181,10 +173,9 @@ def train_reward_model(cfg: RMConfig,
     rows = load_rows(cfg.data) if cfg.data else synthetic_pairs(cfg.seed, cfg.synthetic)
     digest = input_hash(cfg, rows)
     out = Path(cfg.out)
-    existing = ckpt.read_manifest(out)
-    if existing is not None and existing.extra.get("input_hash") == digest:
-        return {"out": str(out.absolute()), "cached": True, "input_hash": digest,
-                **existing.extra.get("summary", {})}
+    cached = ckpt.cached_result(out, digest)
+    if cached is not None:
+        return cached
 
     import torch
     from reinforge.engine.tokenizer import load_tokenizer

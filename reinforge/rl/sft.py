@@ -13,8 +13,6 @@ when it matches, the work is skipped and the existing checkpoint is reused.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import random
 import time
 from collections.abc import Callable
@@ -138,17 +136,10 @@ def encode_demo(tokenizer: Any, demo: Demo, *,
 
 def input_hash(cfg: SFTConfig, demos: list[Demo]) -> str:
     """What determines the output: model files, demonstrations and the training settings."""
-    h = hashlib.sha256(SFT_FORMAT.encode())
-    for path in sorted(Path(cfg.model).iterdir()):
-        if path.is_file() and path.name != ckpt.MANIFEST:
-            h.update(path.name.encode())
-            h.update(hashlib.sha256(path.read_bytes()).digest())
-    h.update(msgspec.json.encode(demos))
     settings = msgspec.structs.asdict(cfg)
     for key in ("model", "out", "jsonl", "domains", "tiers", "num_examples"):
-        settings.pop(key)  # the demonstrations themselves are hashed above
-    h.update(json.dumps(settings, sort_keys=True).encode())
-    return h.hexdigest()
+        settings.pop(key)  # the demonstrations themselves are hashed
+    return ckpt.inputs_digest(SFT_FORMAT, cfg.model, msgspec.json.encode(demos), settings)
 
 
 def run_sft(cfg: SFTConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
@@ -157,10 +148,9 @@ def run_sft(cfg: SFTConfig, progress: Callable[[str], None] = lambda s: None) ->
         cfg.domains, cfg.tiers, cfg.num_examples, cfg.seed)
     digest = input_hash(cfg, demos)
     out = Path(cfg.out)
-    existing = ckpt.read_manifest(out)
-    if existing is not None and existing.extra.get("input_hash") == digest:
-        return {"out": str(out.absolute()), "cached": True, "input_hash": digest,
-                **existing.extra.get("summary", {})}
+    cached = ckpt.cached_result(out, digest)
+    if cached is not None:
+        return cached
 
     import torch
     from reinforge.engine.tokenizer import load_tokenizer
