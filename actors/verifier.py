@@ -56,6 +56,9 @@ class VerifierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     judge_url: str = ""
     """SGLang-compatible judge server for the judge domain; "" = env REINFORGE_JUDGE_URL,
     else the rule judge."""
+    reward_model: str = ""
+    """A reward model directory (`reinforge rm train`): attaches the rm-synthetic domain
+    (`envs/domains/reward_model.py`) scored by it."""
     infra_attempts: int = 3
     """Verifications of one rollout while the outcome is infra_error, before it is published."""
     infra_retry_delay_s: float = 1.0
@@ -102,6 +105,10 @@ class VerifierActor(Actor):
             from reinforge.envs.domains.judge import JudgeConfig, JudgeDomain
 
             self.registry.attach(JudgeDomain(config=JudgeConfig(judge_url=config.judge_url)))
+        if config.reward_model:
+            from reinforge.envs.domains.reward_model import RewardModelDomain
+
+            self.registry.attach(RewardModelDomain(model_path=config.reward_model))
         self.named_domains = self.registry.resolve(config.domains, where="VerifierConfig.domains")
         self.domain_names = self.named_domains or self.registry.names()
         self.limits = ResourceLimits(resource_limits(config))

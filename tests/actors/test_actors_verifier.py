@@ -465,3 +465,36 @@ def test_an_infrastructure_fault_that_persists_is_published_as_infra_error_with_
             assert "infra_error on all 2 attempts" in s.reason
 
     trio.run(main)
+
+
+@pytest.mark.nats
+def test_a_verifier_given_a_reward_model_scores_the_rm_domain_with_it(
+        creds, run_name, tiny_model_dir, tmp_path):
+    import math
+
+    from reinforge.envs.domains.reward_model import RewardModelDomain
+    from reinforge.rl.reward_model import load_reward_model
+
+    rm_dir = tmp_path / "rm"
+    load_reward_model(tiny_model_dir).save_pretrained(str(rm_dir))
+    for f in tiny_model_dir.glob("tokenizer*"):
+        (rm_dir / f.name).write_bytes(f.read_bytes())
+    task = RewardModelDomain().sample_task(random.Random(0), 0)
+    rollouts = [rollout_for(task, task.reference, 0), rollout_for(task, "no", 1)]
+    want = [RewardModelDomain(model_path=str(rm_dir)).score(task.prompt, r.completion)
+            for r in rollouts]
+
+    async def main():
+        async with open_bus(creds) as bus, trio.open_nursery() as nursery:
+            cfg = VerifierConfig(domains=["rm-synthetic"], reward_model=str(rm_dir),
+                                 sandbox=False)
+            await nursery.start(functools.partial(
+                run_actor, VerifierActor, creds=creds, run=run_name, config=cfg))
+            await publish_rollouts(bus, run_name, rollouts)
+            got = await collect_scored(bus, run_name, 2, timeout_s=60)
+            nursery.cancel_scope.cancel()
+        return got
+
+    got = trio.run(main)
+    for r, w in zip(rollouts, want, strict=True):
+        assert math.isclose(got[r.rollout_id].reward, 1 / (1 + math.exp(-w)), rel_tol=1e-5)
