@@ -1,7 +1,8 @@
 """Open-ended tasks scored against a rubric, by a judge model or by rules.
 
 The judge is a model reached through the SGLang `/generate` HTTP API
-(`SGLangJudgeClient`), behind the small `JudgeClient` protocol; `RuleItemJudge`
+(`SGLangJudgeClient`, asking in the judge model's own chat template when the server's
+tokenizer is on this host), behind the small `JudgeClient` protocol; `RuleItemJudge`
 is the rule-based fallback (keyword groups per rubric item), used when no judge
 URL is configured.
 
@@ -84,6 +85,8 @@ class JudgeConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Judge calls per rubric item before an unparseable output becomes infra_error."""
     max_new_tokens: int = 4
     """The judge answers one word."""
+    chat_template: bool = True
+    """Ask in the judge model's chat template (see SGLangJudgeClient)."""
     min_distinct_trigram_ratio: float = 0.5
     """Answers of 20+ words with fewer distinct word trigrams than this are repetitive."""
 
@@ -108,19 +111,55 @@ class JudgeClient(Protocol):
 
 
 class SGLangJudgeClient:
-    """`POST {url}/generate` with greedy sampling (SGLang's native API)."""
+    """`POST {url}/generate` with greedy sampling (SGLang's native API).
 
-    def __init__(self, *, url: str, timeout_s: float = 30.0):
+    With `chat_template`, the question goes in as one user turn of the judge model's own
+    chat template (an instruction-tuned judge answers sanely only so): the tokenizer is the
+    one the server names (`/get_model_info`'s `tokenizer_path`) when that directory is on
+    this host, and the request carries token ids; otherwise the raw text is sent."""
+
+    def __init__(self, *, url: str, timeout_s: float = 30.0, chat_template: bool = False):
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        self.chat_template = chat_template
+        self.tokenizer: Any = None
+        self._looked_up = False
+
+    async def _tokenizer(self, client: Any) -> Any:
+        """The judge's tokenizer, looked up once (None: send text)."""
+        if not self._looked_up:
+            self._looked_up = True
+            try:
+                info = (await client.get(f"{self.url}/get_model_info")).json()
+                path = Path(str(info.get("tokenizer_path") or ""))
+            except Exception:  # an older or foreign server: raw text it is
+                return None
+            if path.is_dir() and (path / "tokenizer_config.json").exists():
+                import trio
+
+                from reinforge.engine.tokenizer import load_tokenizer
+
+                self.tokenizer = await trio.to_thread.run_sync(load_tokenizer, path)
+        return self.tokenizer
 
     async def generate(self, prompt: str, *, max_new_tokens: int) -> str:
         import httpx
 
-        body = {
+        body: dict[str, Any] = {
             "text": prompt,
             "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens},
         }
+        if self.chat_template:
+            try:
+                async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+                    tok = await self._tokenizer(client)
+            except httpx.HTTPError as exc:
+                raise JudgeUnavailable(f"judge at {self.url} unreachable: {exc!r}") from None
+            if tok is not None:
+                from reinforge.rl.prompts import task_prompt_ids
+
+                del body["text"]
+                body["input_ids"] = task_prompt_ids(tok, prompt)
         try:
             async with httpx.AsyncClient(timeout=self.timeout_s) as client:
                 resp = await client.post(f"{self.url}/generate", json=body)
@@ -415,7 +454,8 @@ class JudgeDomain:
             url = self.config.judge_url or os.environ.get("REINFORGE_JUDGE_URL")
             if url:
                 judge = ModelItemJudge(
-                    SGLangJudgeClient(url=url, timeout_s=self.config.timeout_s),
+                    SGLangJudgeClient(url=url, timeout_s=self.config.timeout_s,
+                                      chat_template=self.config.chat_template),
                     max_attempts=self.config.max_attempts,
                     max_new_tokens=self.config.max_new_tokens,
                 )

@@ -306,3 +306,19 @@ def test_rubric_weights_from_jsonl(tmp_path):
     (task,) = d.load_tasks(path)
     assert run(d, task, "pears").reward == pytest.approx(0.75)
     assert RubricItem(criterion="x").weight == 1.0
+
+
+def test_the_judge_asks_a_real_served_model_in_its_chat_template_and_says_why_it_failed(
+        server_url, tiny_model_dir):
+    """Against a real `reinforge serve` (the tiny policy: it never answers YES or NO): the
+    question goes in the model's chat template, and an unparseable judge is infra_error
+    naming what it said, after `max_attempts` tries."""
+    from reinforge.envs.domains.judge import JudgeConfig
+
+    domain = JudgeDomain(config=JudgeConfig(judge_url=server_url, max_attempts=2))
+    client = domain.judge.client
+    v = run(domain, _task(rubric=["mentions apples"]), "I like apples.")
+    # the tokenizer the server names (its model's), so requests carry the template's ids
+    assert client.chat_template and client.tokenizer.name_or_path == str(tiny_model_dir)
+    assert v.outcome == "infra_error" and v.reward == 0.0
+    assert v.reason.startswith("rubric[0]: judge gave no parseable YES/NO in 2 attempts: [")
