@@ -1,0 +1,108 @@
+"""`reinforge ui` as a real process serving a recorded run: a token is needed, the rollout
+browser filters, a rollout shows its checks and its episode's turns, a task's groups line
+up across versions, dead letters show their reasons, and a completion holding HTML and
+script renders as text under a policy that forbids scripts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+
+from reinforge.core import messages as m
+from reinforge.core.msglog import LogRecord, LogWriter
+from reinforge.envs.tools import TranscriptTurn, encode_transcript
+
+EVIL = "<script>alert('x')</script><img src=x onerror=alert(1)><b>bold</b>"
+
+
+def scored(task: str, i: int, version: int, reward: float, completion: str, *,
+           domain: str = "math", checks: tuple[m.Check, ...] = ()) -> m.ScoredRollout:
+    r = m.Rollout(rollout_id=f"{task}:{i}:1", task_id=task, sample_index=i, domain=domain,
+                  tier=1, prompt=f"prompt of {task}", completion=completion,
+                  output_ids=[5, 6, 7], logprobs=[-0.1, -0.2, -0.3], policy_version=version)
+    return m.ScoredRollout(rollout=r, reward=reward,
+                           outcome=m.Outcome.PASS if reward else m.Outcome.FAIL,
+                           reason="checked", checks=list(checks))
+
+
+@pytest.fixture
+def recorded_run(tmp_path) -> Path:
+    episode = encode_transcript([TranscriptTurn(text="<tool_call>ls</tool_call>",
+                                                observation="a.txt"),
+                                 TranscriptTurn(text="Done.")])
+    msgs = [scored("t1", 0, 1, 1.0, "#### 5", checks=(m.Check(name="answer", passed=True),)),
+            scored("t1", 1, 3, 0.0, EVIL),
+            scored("t2", 0, 2, 1.0, episode, domain="terminal"),
+            m.DeadLetter(subject="rl.demo.rollout.math", reason="bad payload: no field x",
+                         actor_id="verifier-0", deliveries=5)]
+    path = tmp_path / "run.log"
+    with LogWriter(path) as w:
+        for i, msg in enumerate(msgs):
+            w.write(LogRecord(subject="rl.demo.x", stream_seq=i + 1, payload=m.encode(msg)))
+        w.write(LogRecord(subject="rl.demo.x", stream_seq=9, payload=b"\x01garbage"))
+    return path
+
+
+@pytest.fixture
+def ui(recorded_run, tmp_path):
+    port_file = tmp_path / "port"
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "reinforge", "ui", "--log",
+                             str(recorded_run), "--port", "0", "--port-file", str(port_file)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "reinforge ui did not start"
+            time.sleep(0.1)
+        port, token = port_file.read_text().split()
+        yield f"http://127.0.0.1:{port}", token
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        proc.stdout.close()
+
+
+def test_every_page_needs_the_token_and_nothing_can_be_changed(ui):
+    url, token = ui
+    with httpx.Client(base_url=url) as c:
+        assert c.get("/").status_code == 403
+        assert c.get("/", params={"token": "wrong"}).status_code == 403
+        ok = c.get("/", params={"token": token})
+        assert ok.status_code == 200 and "math" in ok.text and "terminal" in ok.text
+        assert c.get("/rollouts").status_code == 200  # the cookie from the first visit
+        assert c.post("/rollouts").status_code == 405
+    assert "1 records that did not decode" in ok.text
+
+
+def test_the_browser_filters_and_shows_a_rollout_its_task_and_the_dead_letters(ui):
+    url, token = ui
+    with httpx.Client(base_url=url, params={"token": token}) as c:
+        failed = c.get("/rollouts", params={"outcome": "fail"}).text
+        assert "t1:1:1" in failed and "t1:0:1" not in failed and "1 of 3" in failed
+        one = c.get("/rollout", params={"id": "t1:0:1"}).text
+        assert "#### 5" in one and "answer" in one and "-0.100, -0.200, -0.300" in one
+        episode = c.get("/rollout", params={"id": "t2:0:1"}).text
+        assert "&lt;tool_call&gt;ls&lt;/tool_call&gt;" in episode
+        assert "<pre class='env'>a.txt</pre>" in episode  # the observation, greyed
+        history = c.get("/task", params={"id": "t1"}).text
+        assert history.index("v1") < history.index("v3")  # by version
+        dlq = c.get("/dlq").text
+        assert "bad payload: no field x" in dlq and "verifier-0" in dlq
+
+
+def test_a_completion_holding_html_and_script_renders_as_text(ui):
+    url, token = ui
+    with httpx.Client(base_url=url, params={"token": token}) as c:
+        r = c.get("/rollout", params={"id": "t1:1:1"})
+    assert "<script" not in r.text.lower() and "<img" not in r.text.lower()
+    assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in r.text
+    assert "&lt;b&gt;bold&lt;/b&gt;" in r.text
+    assert "script-src" not in r.headers["content-security-policy"]  # none: default-src 'none'
+    assert r.headers["content-security-policy"].startswith("default-src 'none'")
