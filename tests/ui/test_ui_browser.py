@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import httpx
-import msgspec
 import pytest
 
 from reinforge.core import messages as m
