@@ -451,6 +451,45 @@ def test_a_version_pruned_before_its_turn_is_skipped_and_counted_not_retried(
     assert skipped["evaluated_versions"] == 0.0  # no server was started for it
 
 
+@pytest.mark.nats
+def test_an_evaluator_without_the_checkpoint_on_its_disk_scores_the_version_from_the_store(
+        creds, run_name, tmp_path, tiny_model_dir):
+    import shutil
+
+    from reinforge.core.weights import put_version
+
+    v1 = tmp_path / "v1"
+    shutil.copytree(tiny_model_dir, v1)
+    cfg = EvaluatorConfig(domains=["math"], k=1, heldout=HELD, every_versions=1,
+                          score_per_tier=1, max_new_tokens=8, model_path=str(tiny_model_dir),
+                          state_file=str(tmp_path / "ev.json"))
+
+    async def main():
+        async with open_bus(creds) as bus:
+            await bus.ensure_run_stream(run_name)
+            bucket = await put_version(bus, run_name, 1, v1)
+            shutil.rmtree(v1)  # the learner's disk is not this host's
+            async with trio.open_nursery() as nursery, \
+                    bus.subscribe(subjects.heartbeat(run_name, "*")) as beats:
+                ctx = await nursery.start(functools.partial(
+                    run_actor, Evaluator, creds=creds, run=run_name, config=cfg,
+                    runtime=RuntimeConfig(heartbeat_s=0.2)))
+                await bus.publish_durable(subjects.weights(run_name), m.WeightsPublished(
+                    version=1, path=str(v1), step=1, store=bucket), msg_id="weights:1")
+                with trio.fail_after(240):
+                    async for batch in beats:
+                        beat = m.decode(batch[-1].data)
+                        if beat.figures.get("evaluated_versions", 0) + \
+                                beat.figures.get("skipped_versions", 0) >= 1:
+                            break
+                ctx.stop_requested.set()
+        return beat
+
+    beat = trio.run(main)
+    assert (beat.figures["evaluated_versions"], beat.figures["skipped_versions"]) == (1.0, 0.0)
+    assert json.loads((tmp_path / "ev.json").read_text())["evaluated"] == [f"1:{v1}"]
+
+
 def _prune_v1_while_the_eval_server_starts(creds, run_name, tmp_path, model_dir, **config):
     """Publish version 1; delete its checkpoint as soon as the evaluator says it is starting
     its server (what the learner's pruning does on a busy CPU), then publish version 2.
