@@ -115,7 +115,7 @@ class Trainer:
             enable()
         self.model.train()
         self.pad_id = int(self.model.config.pad_token_id or 0)
-        self._new_optimizer()
+        self._new_optimizer(state)
         if state is not None:
             self.optimizer.load_state_dict(state["optimizer"])
             torch.set_rng_state(state["rng"])
@@ -127,13 +127,15 @@ class Trainer:
                                          device=cfg.device).eval()
             self.reference.requires_grad_(False)
 
-    def _new_optimizer(self) -> None:
+    def _new_optimizer(self, state: dict[str, Any] | None = None) -> None:
         """AdamW over the trained parameters (all, or LoRA's adapters), or (bf16) float32
-        masters of them."""
+        masters of them: those a checkpoint's trainer state kept, else the weights widened."""
         params = self._trained()
         self.master = None
         if self.dtype != torch.float32:
-            self.master = [p.detach().float().clone().requires_grad_(True) for p in params]
+            kept = (state or {}).get("master")
+            self.master = [(kept[i] if kept else p.detach()).float().clone().requires_grad_(True)
+                           for i, p in enumerate(params)]
         self.optimizer = torch.optim.AdamW(self.master or params, lr=self.cfg.learning_rate,
                                            weight_decay=self.cfg.weight_decay)
 
@@ -172,7 +174,7 @@ class Trainer:
         else:
             loaded = load_policy(model_dir, dtype=self.dtype, device=self.cfg.device)
             self.model.load_state_dict(loaded.state_dict())
-        self._new_optimizer()
+        self._new_optimizer(state)
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
 
@@ -190,6 +192,8 @@ class Trainer:
         }
         if self.cfg.lora is not None:
             state["lora"] = self._adapters()
+        if self.master is not None:  # the float32 weights the bf16 ones are rounded from
+            state["master"] = [m.detach().cpu().clone() for m in self.master]
         return state
 
     def train_step(self, samples: list[Any], version: int) -> dict[str, float]:

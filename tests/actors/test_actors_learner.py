@@ -314,8 +314,13 @@ def test_bf16_training_steps_float32_masters_and_serves_their_bf16_rounding(
     assert any(not torch.equal(m, b) for m, b in zip(trainer.master, before, strict=True))
     assert all(torch.equal(p, m.to(torch.bfloat16))
                for p, m in zip(params, trainer.master, strict=True))
-    # a rollback reloads the weights and the masters' optimizer state
+    # the float32 masters travel in the trainer state: a restart resumes them, not the
+    # bf16 rounding of them; a rollback too, with their optimizer state
     state = trainer.state_dict(step=1, ledger={}, counters={})
+    resumed = Trainer(cfg, tiny_model_dir, state)
+    assert all(torch.equal(a, b) for a, b in zip(resumed.master, trainer.master, strict=True))
+    assert any(not torch.equal(m, p.float()) for m, p in zip(trainer.master, params,
+                                                             strict=True))
     trainer.restore(tiny_model_dir, state)
     assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
     assert trainer.optimizer.state_dict()["state"].keys() == state["optimizer"]["state"].keys()
