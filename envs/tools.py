@@ -15,7 +15,7 @@ the policy sees, and the episode counts it.
 
 A finished tool episode travels as its transcript (`encode_transcript`): a JSON object with
 the policy's text and the observation of every turn. Verification replays the policy's
-turns through the same `parse_tool_call`, so the checked actions are exactly those the
+turns by the live episode's rules (`replay`), so the checked actions are exactly those the
 episode ran; observations are kept for people reading the rollout, never parsed for
 actions (the environment's output cannot inject a call).
 """
@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -185,6 +185,30 @@ def policy_turns(completion: str) -> list[str]:
         return [t.text for t in turns]
     parts = completion.split(CALL_CLOSE)
     return [p + CALL_CLOSE for p in parts[:-1]] + ([parts[-1]] if parts[-1].strip() else [])
+
+
+class Replay(NamedTuple):
+    calls: list[ToolCall]
+    """The well-formed calls, in order: the actions the live episode ran."""
+    final: str | None
+    """The final answer (the first turn without a call), or None."""
+
+
+def replay(completion: str, tools: Sequence[Tool], max_turns: int) -> Replay:
+    """The policy's first `max_turns` turns read as the live episode read them
+    (`rl.episodes`): a malformed call runs nothing and uses up its turn, a turn without a
+    call is the final answer and ends the episode. Verification replays with this, so the
+    checked actions are exactly those that ran."""
+    calls: list[ToolCall] = []
+    for text in policy_turns(completion)[:max_turns]:
+        try:
+            call = parse_tool_call(text, tools)
+        except MalformedToolCall:
+            continue
+        if call is None:
+            return Replay(calls, text)
+        calls.append(call)
+    return Replay(calls, None)
 
 
 def episode_counts(completion: str, tools: Sequence[Tool]) -> tuple[int, int, int]:

@@ -6,7 +6,7 @@ needs), sees its output, and answers with a turn without a call, `#### <number>`
 are numbers that are tedious by hand and one line of Python: a product, a sum of
 squares, a count of primes, a digit sum of a power.
 
-Verification reads the final answer of the transcript (`policy_turns`: the first turn
+Verification reads the final answer of the transcript (`tools.replay`: the first turn
 without a call, within `max_turns`) by the math rules (`answers.extract_final_answer`,
 exact). A tool run the sandbox could not make ends the episode with an observation
 without an exit status (`[sandbox unavailable: ...]`); a transcript ending so is
@@ -33,15 +33,13 @@ from reinforge.envs.domains.answers import answers_match, extract_final_answer
 from reinforge.envs.sandbox.runner import CodeRunner, RunnerInfraError
 from reinforge.envs.tasksets import decode_row, load_jsonl
 from reinforge.envs.tools import (
-    MalformedToolCall,
     Tool,
     ToolCall,
     TranscriptTurn,
     decode_transcript,
     encode_transcript,
-    parse_tool_call,
-    policy_turns,
     render_call,
+    replay,
 )
 
 PYTHON = Tool(
@@ -204,17 +202,8 @@ class PythonToolDomain:
         if turns and turns[-1].observation.startswith(UNAVAILABLE) \
                 and not _EXIT_MARK.search(turns[-1].observation):
             return infra_error(turns[-1].observation.strip("[]"))
-        final, calls = None, 0
-        for text in policy_turns(completion)[: spec.max_turns]:
-            try:
-                call = parse_tool_call(text, self.tools)
-            except MalformedToolCall:
-                continue
-            if call is None:
-                final = text
-                break
-            calls += 1
-        used = Check(name="tool_calls", passed=calls > 0, detail=f"{calls} made")
+        calls, final = replay(completion, self.tools, spec.max_turns)
+        used = Check(name="tool_calls", passed=bool(calls), detail=f"{len(calls)} made")
         ex = extract_final_answer(final or "")
         ok = ex.answer is not None and answers_match(ex.answer, spec.answer)
         match = Check(name="answer_matches", passed=ok,

@@ -50,15 +50,13 @@ from reinforge.envs.domain import Check, TaskSpec, Tier, Verdict, check_tier, in
 from reinforge.envs.tasksets import decode_row, load_jsonl
 from reinforge.envs.tools import (
     CALL_OPEN,
-    MalformedToolCall,
     Tool,
     ToolCall,
     TranscriptTurn,
     decode_transcript,
     encode_transcript,
-    parse_tool_call,
-    policy_turns,
     render_call,
+    replay,
 )
 
 DRIVER_PATH = Path(__file__).with_name("terminal_driver.py")
@@ -126,7 +124,7 @@ class TerminalConfig(msgspec.Struct, frozen=True, kw_only=True):
 def parse_commands(completion: str, max_turns: int) -> list[str]:
     """The commands of a completion (see the module docstring), at most `max_turns`."""
     if CALL_OPEN in completion or decode_transcript(completion) is not None:
-        commands = tool_commands(policy_turns(completion), max_turns)
+        commands = [c.arguments["command"] for c in replay(completion, (BASH,), max_turns).calls]
     else:
         lines = completion.splitlines()
         marked = [ln[2:] for ln in lines if ln.startswith("$ ")]
@@ -137,21 +135,6 @@ def parse_commands(completion: str, max_turns: int) -> list[str]:
             break
         out.append(cmd)
     return out[:max_turns]
-
-
-def tool_commands(turns: list[str], max_turns: int) -> list[str]:
-    """The `bash` commands of a tool episode's first `max_turns` turns, as the live episode
-    ran them: a malformed call runs nothing, a turn without a call ends the episode."""
-    out = []
-    for text in turns[:max_turns]:
-        try:
-            call = parse_tool_call(text, (BASH,))
-        except MalformedToolCall:
-            continue
-        if call is None:
-            break
-        out.append(call.arguments["command"])
-    return out
 
 
 # ---------------------------------------------------------------- generator
