@@ -43,11 +43,9 @@ async def put_version(bus: Any, run: str, version: int, model_dir: str | Path) -
     return bucket
 
 
-async def delete_versions(bus: Any, bucket: str, keep: set[int]) -> list[int]:
-    """Delete the objects of every version not in `keep`; returns the versions deleted."""
+async def _object_names(bus: Any, store: Any, bucket: str) -> list[str]:
+    """The names of the objects `bucket` holds (deleted ones left out)."""
     import nats.js.errors
-
-    store = await bus.object_store(bucket)
 
     async def names() -> list[str]:
         try:
@@ -55,8 +53,14 @@ async def delete_versions(bus: Any, bucket: str, keep: set[int]) -> list[int]:
         except nats.js.errors.NotFoundError:  # an empty bucket
             return []
 
+    return await bus.js_call(names, what=f"listing {bucket}")
+
+
+async def delete_versions(bus: Any, bucket: str, keep: set[int]) -> list[int]:
+    """Delete the objects of every version not in `keep`; returns the versions deleted."""
+    store = await bus.object_store(bucket)
     gone: set[int] = set()
-    for name in await bus.js_call(names, what=f"listing {bucket}"):
+    for name in await _object_names(bus, store, bucket):
         version = int(name.split("/", 1)[0][1:])
         if version not in keep:
             await bus.js_call(lambda n=name: store.delete(n), what=f"deleting {name}")
@@ -75,15 +79,8 @@ async def fetch_version(bus: Any, bucket: str, version: int, dest: str | Path) -
         raise WeightsUnavailable(f"v{version}: no object store {bucket} (does the learner "
                                  "publish_weights = 'store'?)") from None
 
-    async def names() -> list[str]:
-        try:
-            return [o.name for o in await store.list() if not o.deleted]
-        except nats.js.errors.NotFoundError:
-            return []
-
     prefix = f"v{version}/"
-    wanted = [n for n in await bus.js_call(names, what=f"listing {bucket}")
-              if n.startswith(prefix)]
+    wanted = [n for n in await _object_names(bus, store, bucket) if n.startswith(prefix)]
     if not wanted:
         raise WeightsUnavailable(f"object store {bucket} holds no files of v{version}")
     dest = Path(dest)
