@@ -96,17 +96,12 @@ class RewardModelDomain:
         """The reward model's score of `completion` (its forward pass; loaded once)."""
         import torch
 
-        from reinforge.rl.reward_model import encode, load_reward_model, scores
+        from reinforge.rl.reward_model import encode, load_scorer, scores
 
         with self._lock:
             if self._loaded is None:
-                from reinforge.engine.tokenizer import load_tokenizer
-
-                tok = load_tokenizer(self.model_path)
-                model = load_reward_model(self.model_path).eval()
-                pad = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-                model.config.pad_token_id = pad
-                self._loaded = (tok, model, pad)
+                tok, model, pad = load_scorer(self.model_path)
+                self._loaded = (tok, model.eval(), pad)
             tok, model, pad = self._loaded
             with torch.no_grad():
                 return float(scores(model, [encode(tok, prompt, completion)], pad)[0])

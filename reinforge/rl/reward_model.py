@@ -160,6 +160,18 @@ def load_reward_model(model_dir: str | Path) -> Any:
     return AutoModelForSequenceClassification.from_pretrained(str(model_dir), num_labels=1)
 
 
+def load_scorer(model_dir: str | Path) -> tuple[Any, Any, int]:
+    """(tokenizer, reward model, pad id) of a directory, the model told its pad id (the
+    score is read at the last token that is not padding)."""
+    from reinforge.engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    model = load_reward_model(model_dir)
+    pad = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    model.config.pad_token_id = pad
+    return tok, model, pad
+
+
 def input_hash(cfg: RMConfig, rows: list[Any]) -> str:
     settings = msgspec.structs.asdict(cfg)
     for key in ("model", "out", "data", "torch_threads"):
@@ -178,14 +190,10 @@ def train_reward_model(cfg: RMConfig,
         return cached
 
     import torch
-    from reinforge.engine.tokenizer import load_tokenizer
 
     torch.set_num_threads(cfg.torch_threads)
     torch.manual_seed(cfg.seed)
-    tok = load_tokenizer(cfg.model)
-    model = load_reward_model(cfg.model)
-    pad = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-    model.config.pad_token_id = pad
+    tok, model, pad = load_scorer(cfg.model)
     pairwise = isinstance(rows[0], Pair)
     order = list(range(len(rows)))
     random.Random(cfg.seed).shuffle(order)
