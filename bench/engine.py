@@ -30,6 +30,8 @@ the last-level cache), with the projections served in float32, bfloat16 and int8
 fraction of the roofline each reaches: decode tokens/s x weight bytes read per token / this
 machine's read bandwidth (bench/kv_kernels.py's probe, in the same run). With it, each
 packed format's logprob error against float32 on float32's greedy tokens (teacher-forced).
+`--only speedup` runs the headline comparison and the greedy agreement alone (for a
+pretrained model given with --model, where the other lines would take long).
 The headline comparison with transformers runs without the prefix cache (each repeat sends
 the same prompts again, which the cache would turn into a different workload).
 
@@ -373,7 +375,7 @@ def main() -> int:
     )
     ap.add_argument("--kernel-backend", default="auto")
     ap.add_argument("--long-prompt-tokens", type=int, default=16384)
-    ap.add_argument("--only", choices=["roofline"], default=None,
+    ap.add_argument("--only", choices=["roofline", "speedup"], default=None,
                     help="run only this line (and print it as the JSON object)")
     ap.add_argument(
         "--threads",
@@ -464,18 +466,24 @@ def main() -> int:
 
     fp_engine = Engine(model, EngineConfig(kv_cache_dtype="float32", max_total_tokens=capacity,
                                            prefix_cache=False))
-    prefix = prefix_lines(model, prompts, args.repeats, args.kernel_backend, say)
-    speculative = speculative_lines(model, prompts, args.max_new_tokens, args.repeats,
-                                    args.kernel_backend, say)
-    long_context = long_context_lines(args.long_prompt_tokens, 1024, args.repeats,
-                                      args.kernel_backend, say)
-    roofline = roofline_lines(prompts[0], 64, max(args.repeats, 3), args.kernel_backend, say)
+    lines: dict = {}
+    if args.only != "speedup":
+        lines["prefix_cache"] = prefix_lines(model, prompts, args.repeats, args.kernel_backend,
+                                             say)
+        lines["long_context"] = long_context_lines(args.long_prompt_tokens, 1024, args.repeats,
+                                                   args.kernel_backend, say)
+        lines["speculative"] = speculative_lines(model, prompts, args.max_new_tokens,
+                                                 args.repeats, args.kernel_backend, say)
+        lines["weights_roofline"] = roofline_lines(prompts[0], 64, max(args.repeats, 3),
+                                                   args.kernel_backend, say)
     greedy_fp, err_fp = greedy_agreement(fp_engine, hf, prompts, args.greedy_tokens)
     greedy_i8, err_i8 = greedy_agreement(engine, hf, prompts, args.greedy_tokens)
     engine_tps = total_new / statistics.median(engine_times)
     hf_tps = total_new / statistics.median(hf_times)
     result = {
         "bench": "engine",
+        "model": str(model_dir) if args.model else "tiny (reinforge model init)",
+        "model_type": model.config.model_type,
         "model_params": sum(t.numel() for t in hf.parameters()),
         "prompts": len(prompts),
         "n": args.n,
@@ -498,10 +506,7 @@ def main() -> int:
         "greedy_match_int8": round(greedy_i8, 4),
         "max_logprob_err_fp": err_fp,
         "max_logprob_err_int8": err_i8,
-        "prefix_cache": prefix,
-        "long_context": long_context,
-        "speculative": speculative,
-        "weights_roofline": roofline,
+        **lines,
         "torch_threads": torch.get_num_threads(),
     }
     print(json.dumps(result))

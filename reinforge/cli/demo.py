@@ -70,7 +70,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--eval-tasks-per-tier", type=int, default=None,
                    help=f"held-out tasks per tier (default 20; {TOOL_EVAL_TASKS_PER_TIER} with "
                         f"a tool domain; {SUITE_EVAL_TASKS_PER_TIER} with --suite)")
-    p.add_argument("--sft-steps", type=int, default=150)
+    p.add_argument("--model", default="",
+                   help="post-train this Hugging Face folder (Llama, Qwen2, Qwen3; e.g. made by "
+                        "`reinforge model import`) instead of the tiny policy")
+    p.add_argument("--sft-steps", type=int, default=None,
+                   help="steps of the SFT warm start on the domains' reference answers "
+                        "(default 150; 0 with --model: a pretrained model starts as it is)")
     p.add_argument("--guard-every", type=int, default=25,
                    help="the forgetting guard evaluates every N-th version (default 25)")
     p.add_argument("--tis-cap", type=float, default=2.0,
@@ -134,13 +139,22 @@ def max_new_tokens(domains: list[str]) -> int:
 
 
 def ensure_models(home: Path, domains: list[str], sft_steps: int,
-                  policy: str = "tiny") -> tuple[Path, Path]:
-    """The base policy and its SFT warm start on `domains`' reference answers (cached by
-    name: the domains, or a digest of a long list of them, and the steps)."""
+                  policy: str = "tiny", model: Path | None = None) -> tuple[Path, Path]:
+    """The base policy (`model`, or the tiny policy of this size) and its SFT warm start on
+    `domains`' reference answers (cached by name: the base, the domains, or a digest of a
+    long list of them, and the steps). No SFT when `sft_steps` is 0: the start is the base."""
     from reinforge.rl.sft import SFTConfig, run_sft
 
-    base = ensure_base(home, policy)
-    prefix = "sft" if policy == "tiny" else f"sft-{policy}"
+    if model is not None:
+        base = model
+        where = hashlib.sha1(str(model.resolve()).encode()).hexdigest()[:8]
+        prefix = f"sft-{model.name}-{where}"
+    else:
+        base = ensure_base(home, policy)
+        prefix = "sft" if policy == "tiny" else f"sft-{policy}"
+    if sft_steps == 0:
+        say(f"no SFT warm start: the run starts from {base}")
+        return base, base
     joined = "-".join(domains)
     if len(joined) > 80:  # a hundred domains do not fit a file name
         joined = f"{len(domains)}domains-" + hashlib.sha1(joined.encode()).hexdigest()[:10]
@@ -281,6 +295,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     t0 = time.time()
     budget_s = args.minutes * 60
+    model = None
+    if args.model:
+        model = Path(args.model).expanduser()
+        if not (model / "config.json").is_file():
+            raise UserError(f"--model {args.model}: not a Hugging Face model folder (no "
+                            "config.json); `reinforge model import FILE.gguf --out DIR` makes one")
+    sft_steps = args.sft_steps if args.sft_steps is not None else (0 if model else 150)
     tiers: list[int] | None = None
     left_out: dict[str, str] = {}
     if args.suite:
@@ -305,8 +326,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
 
-    _, sft = ensure_models(home, sft_domains, args.sft_steps)
-    say("evaluating the SFT checkpoint on the held-out sets")
+    _, sft = ensure_models(home, sft_domains, sft_steps, model=model)
+    say(f"evaluating the starting checkpoint ({sft.name}) on the held-out sets")
     before = evaluate(sft, domains, eval_k, per_tier, tiers)
     eval_s = before.get("eval_s", 60.0) + 30.0
     config_path = run_dir / "demo.toml"

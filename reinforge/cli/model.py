@@ -1,4 +1,5 @@
-"""`reinforge model init`: write the tiny Qwen2-architecture CPU policy and its tokenizer."""
+"""`reinforge model init`: write the tiny Qwen2-architecture CPU policy and its tokenizer.
+`reinforge model import FILE.gguf`: a pretrained GGUF file as a Hugging Face folder."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Any
 
 
 def register(subparsers: Any) -> None:
-    model = subparsers.add_parser("model", help="model utilities (init the tiny CPU policy)")
+    model = subparsers.add_parser(
+        "model", help="model utilities (init the tiny CPU policy, import a GGUF file)")
     model_sub = model.add_subparsers(dest="model_command", metavar="ACTION")
     init = model_sub.add_parser(
         "init", help="write a tiny Qwen2-architecture policy + tokenizer (HF format)"
@@ -27,6 +29,15 @@ def register(subparsers: Any) -> None:
         "--seed", type=int, default=0, help="seed for tokenizer corpus and weights (default 0)"
     )
     init.set_defaults(func=cmd_model_init)
+    imp = model_sub.add_parser(
+        "import", help="turn a GGUF file (Llama, Qwen2, Qwen3) into a Hugging Face folder"
+    )
+    imp.add_argument("gguf", help="the .gguf file (a quantized file is dequantized)")
+    imp.add_argument("--out", required=True, help="output directory (replaced if it exists)")
+    imp.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                     help="dtype of the written weights (default float32)")
+    imp.add_argument("--json", action="store_true", help="print what was written as JSON")
+    imp.set_defaults(func=cmd_model_import)
     model.set_defaults(func=lambda args: (model.print_help(), 2)[1])
 
 
@@ -49,4 +60,23 @@ def cmd_model_init(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     out = init_tiny_model(args.out, spec)
     print(f"wrote a tiny qwen2 policy to {out}")
+    return 0
+
+
+def cmd_model_import(args: argparse.Namespace) -> int:
+    import json
+
+    from reinforge.engine.importer import import_gguf
+
+    from reinforge.cli import UserError
+
+    try:
+        info = import_gguf(args.gguf, args.out, dtype=args.dtype)
+    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+        raise UserError(str(exc)) from None
+    if args.json:
+        print(json.dumps(info))
+    else:
+        print(f"wrote a {info['architecture']} model ({info['parameters']:,} parameters, "
+              f"{info['dtype']}) to {info['out']}")
     return 0

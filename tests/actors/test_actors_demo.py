@@ -249,3 +249,20 @@ def test_the_demo_reports_turns_and_tool_call_errors_of_tool_domains_before_and_
     assert episode_summary(res(1.5, 0.25), res(2.0, 0.1)) == {"terminal": {
         "turns_mean_before": 1.5, "tool_call_error_rate_before": 0.25,
         "turns_mean_after": 2.0, "tool_call_error_rate_after": 0.1}}
+
+
+def test_the_demo_starts_from_a_given_model_as_it_is_and_refuses_a_folder_without_one(
+        tmp_path, tiny_model_dir):
+    from reinforge.cli import demo
+
+    base, start = demo.ensure_models(tmp_path, ["math"], 0, model=tiny_model_dir)
+    assert base == start == tiny_model_dir
+    assert not (tmp_path / "models").exists()  # no SFT, no tiny policy made
+
+    env = dict(os.environ, REINFORGE_HOME=str(tmp_path / "home"))
+    out = subprocess.run([sys.executable, "-m", "reinforge", "demo", "--model",
+                          str(tmp_path / "nothing-here"), "--run", "ci-demo-model"],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "not a Hugging Face model folder (no config.json)" in out.stderr
+    assert "reinforge model import" in out.stderr and "Traceback" not in out.stderr
