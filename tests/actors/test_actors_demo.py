@@ -264,5 +264,15 @@ def test_the_demo_starts_from_a_given_model_as_it_is_and_refuses_a_folder_withou
                           str(tmp_path / "nothing-here"), "--run", "ci-demo-model"],
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
-    assert "not a Hugging Face model folder (no config.json)" in out.stderr
+    assert "not a Hugging Face model folder (no config.json) nor a pretrained" in out.stderr
     assert "reinforge model import" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_demo_refuses_eval_tiers_that_are_not_numbers(tmp_path):
+    env = dict(os.environ, REINFORGE_HOME=str(tmp_path / "home"))
+    out = subprocess.run([sys.executable, "-m", "reinforge", "demo", "--eval-tiers", "0,one",
+                          "--run", "ci-demo-tiers"],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "--eval-tiers '0,one': give tiers as numbers" in out.stderr
+    assert not (tmp_path / "home").exists()  # refused before anything was made
