@@ -168,10 +168,12 @@ def start_model(spec: str) -> Path:
 
 
 def ensure_models(home: Path, domains: list[str], sft_steps: int,
-                  policy: str = "tiny", model: Path | None = None) -> tuple[Path, Path]:
+                  policy: str = "tiny", model: Path | None = None,
+                  heldout: Any = None) -> tuple[Path, Path]:
     """The base policy (`model`, or the tiny policy of this size) and its SFT warm start on
     `domains`' reference answers (cached by name: the base, the domains, or a digest of a
-    long list of them, and the steps). No SFT when `sft_steps` is 0: the start is the base."""
+    long list of them, and the steps). No SFT when `sft_steps` is 0: the start is the base.
+    `heldout` (a `HeldOutConfig`): the run's held-out tasks, which SFT leaves out."""
     from reinforge.rl.sft import SFTConfig, run_sft
 
     if model is not None:
@@ -194,7 +196,7 @@ def ensure_models(home: Path, domains: list[str], sft_steps: int,
     gentle = {"learning_rate": PRETRAINED_SFT_LR, "batch_size": 8} if model is not None else {}
     result = run_sft(
         SFTConfig(model=str(base), out=str(sft), domains=tuple(domains), tiers=(0,),
-                  steps=sft_steps, num_examples=384, **longer, **gentle),
+                  steps=sft_steps, num_examples=384, heldout=heldout, **longer, **gentle),
         progress=lambda line: say(f"sft: {line}"),
     )
     say(f"SFT: {'cached' if result.get('cached') else 'trained'} -> {sft}")
@@ -358,7 +360,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
 
-    _, sft = ensure_models(home, sft_domains, sft_steps, model=model)
+    from reinforge.rl.evalsets import HeldOutConfig
+
+    heldout = HeldOutConfig(tasks_per_tier=per_tier, tiers=tiers or [])
+    _, sft = ensure_models(home, sft_domains, sft_steps, model=model, heldout=heldout)
     say(f"evaluating the starting checkpoint ({sft.name}) on the held-out sets")
     before = evaluate(sft, domains, eval_k, per_tier, tiers)
     eval_s = before.get("eval_s", 60.0) + 30.0

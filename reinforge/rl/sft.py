@@ -23,6 +23,7 @@ import msgspec
 from reinforge.rl import checkpoint as ckpt
 from reinforge.envs.tools import Tool, TranscriptTurn, decode_transcript
 from reinforge.rl.episodes import domain_tools
+from reinforge.rl.evalsets import HeldOutConfig, build_heldout, fingerprint, heldout_fingerprints
 from reinforge.rl.prompts import observation_ids, task_prompt_ids
 
 SFT_FORMAT = "reinforge-sft/2"  # 2: prompts through the chat template, as RL sees them
@@ -50,6 +51,9 @@ class SFTConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     torch_threads: int = 2
     chat_template: bool = True
     """Format prompts with the tokenizer's chat template (as the sampler's `chat_template`)."""
+    heldout: HeldOutConfig | None = None
+    """The run's held-out sets: a demonstration of one of their tasks is never trained on
+    (else the evaluation before RL scores what SFT memorised)."""
 
     def __post_init__(self) -> None:
         for name in ("num_examples", "steps", "batch_size", "max_len", "torch_threads"):
@@ -69,8 +73,9 @@ class Demo(msgspec.Struct, frozen=True):
 
 
 def demos_from_domains(domains: tuple[str, ...], tiers: tuple[int, ...], n: int,
-                       seed: int) -> list[Demo]:
-    """`n` demonstrations cycling over domains and tiers, from each task's reference."""
+                       seed: int, heldout: HeldOutConfig | None = None) -> list[Demo]:
+    """`n` demonstrations cycling over domains and tiers, from each task's reference; none
+    of a task in the `heldout` sets."""
     from reinforge.envs.domain import DomainRegistry
 
     registry = DomainRegistry.default()
@@ -84,15 +89,17 @@ def demos_from_domains(domains: tuple[str, ...], tiers: tuple[int, ...], n: int,
         domain = registry.get(name)
         usable = [t for t in tiers if 0 <= t < len(domain.tiers)] or [0]
         combos += [(domain, t) for t in usable]
+    held = heldout_fingerprints(build_heldout(registry, domains, heldout)) if heldout else {}
     attempts = 0
     while len(out) < n:
         domain, tier = combos[len(out) % len(combos)]
         task = domain.sample_task(rng, tier)
         attempts += 1
-        if task.reference:
+        if task.reference and fingerprint(task.prompt) not in held.get(domain.name, ()):
             out.append(Demo(task.prompt, task.reference, list(domain_tools(domain))))
         elif attempts > 10 * n:
-            raise ValueError(f"sft: domain {domain.name!r} gives no reference completions")
+            raise ValueError(f"sft: domain {domain.name!r} gives no reference completions "
+                             "outside its held-out set")
     return out
 
 
@@ -137,7 +144,7 @@ def encode_demo(tokenizer: Any, demo: Demo, *,
 def input_hash(cfg: SFTConfig, demos: list[Demo]) -> str:
     """What determines the output: model files, demonstrations and the training settings."""
     settings = msgspec.structs.asdict(cfg)
-    for key in ("model", "out", "jsonl", "domains", "tiers", "num_examples"):
+    for key in ("model", "out", "jsonl", "domains", "tiers", "num_examples", "heldout"):
         settings.pop(key)  # the demonstrations themselves are hashed
     return ckpt.inputs_digest(SFT_FORMAT, cfg.model, msgspec.json.encode(demos), settings)
 
@@ -145,7 +152,7 @@ def input_hash(cfg: SFTConfig, demos: list[Demo]) -> str:
 def run_sft(cfg: SFTConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Train (or reuse the cached result); returns the summary printed as the final JSON."""
     demos = demos_from_jsonl(cfg.jsonl) if cfg.jsonl else demos_from_domains(
-        cfg.domains, cfg.tiers, cfg.num_examples, cfg.seed)
+        cfg.domains, cfg.tiers, cfg.num_examples, cfg.seed, cfg.heldout)
     digest = input_hash(cfg, demos)
     out = Path(cfg.out)
     cached = ckpt.cached_result(out, digest)

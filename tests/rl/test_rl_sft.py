@@ -34,6 +34,21 @@ def test_domain_demonstrations_are_seeded_references():
         demos_from_domains(("nope",), (0,), 1, seed=0)
 
 
+def test_demonstrations_leave_out_the_tasks_of_the_held_out_sets():
+    from reinforge.envs.domain import DomainRegistry
+    from reinforge.rl.evalsets import HeldOutConfig, build_heldout, fingerprint
+
+    # math's tier 0 has 100 distinct problems: 384 draws would meet nearly all of them.
+    heldout = HeldOutConfig(tasks_per_tier=20, tiers=[0])
+    held = {fingerprint(t.prompt)
+            for t in build_heldout(DomainRegistry.default(), ["math"], heldout)["math"]}
+    assert len(held) == 20
+    free = demos_from_domains(("math",), (0,), 384, seed=0)
+    kept = demos_from_domains(("math",), (0,), 384, seed=0, heldout=heldout)
+    assert len(held & {fingerprint(d.prompt) for d in free}) >= 15
+    assert len(kept) == 384 and not held & {fingerprint(d.prompt) for d in kept}
+
+
 def test_a_bad_jsonl_row_is_refused_with_its_line_number(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt": "a", "response": "b"}\n\n{"prompt": "c"}\n')
