@@ -355,8 +355,7 @@ def main() -> int:
     if unknown:
         p.error(f"unknown fault kinds {unknown}; known: {', '.join(KINDS)}")
 
-    _, sft = demo.ensure_models(paths.home(), list(demo.DEFAULT_DOMAINS.split(",")),
-                                args.sft_steps)
+    _, sft = demo.ensure_models(paths.home(), list(DOMAINS), args.sft_steps)
     run_dir = paths.run_dir(args.run)
     demo.reinforge("down", "--run", args.run, capture=True)
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -147,7 +147,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--window", type=float, default=120.0, help="seconds measured per mode")
     p.add_argument("--rounds", type=int, default=1, help="sync+async pairs (medians reported)")
-    p.add_argument("--domains", default=demo.DEFAULT_DOMAINS)
+    p.add_argument("--domains", default="math,code,docqa")
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--groups-per-version", type=int, default=2)
     p.add_argument("--sft-steps", type=int, default=150)

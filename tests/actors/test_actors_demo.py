@@ -21,7 +21,8 @@ def test_a_short_demo_advances_versions_scores_every_domain_and_writes_the_repor
     try:
         out = subprocess.run(
             [sys.executable, "-m", "reinforge", "demo", "--minutes", "4", "--run", "ci-demo",
-             "--domains", "math,code,docqa", "--groups-per-version", "1", "--eval-k", "2",
+             "--model", "tiny", "--domains", "math,code,docqa", "--groups-per-version", "1",
+             "--eval-k", "2",
              "--eval-tasks-per-tier", "2", "--guard-every", "10", "--json"],
             env=env, cwd=ROOT, capture_output=True, text=True, timeout=840,
         )
