@@ -38,8 +38,11 @@ class LlamaCpp:
 
         self.lc = lc
         lc.llama_backend_init()
-        self.model = lc.llama_model_load_from_file(str(gguf).encode(),
-                                                   lc.llama_model_default_params())
+        mparams = lc.llama_model_default_params()
+        # No extra buffer types: llama.cpp's AMX path crashed on a VM whose CPU reports AMX
+        # (segfault in ggml_backend_amx_mul_mat); plain CPU buffers keep its AVX-512 kernels.
+        mparams.use_extra_bufts = False
+        self.model = lc.llama_model_load_from_file(str(gguf).encode(), mparams)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf}")
         params = lc.llama_context_default_params()
