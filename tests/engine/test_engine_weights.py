@@ -1,5 +1,5 @@
 """Weights served in bfloat16 or int8: packing error bounds, the TVM products against torch
-on the same packed weights (every row count, both sides of the kernel's row limit), and the
+on the same packed weights (every row count, both sides of the kernel's row limits), and the
 tiny policy served from packed weights against the float32 one."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import pytest
 import torch
 from reinforge.engine.engine import Engine, EngineConfig
 from reinforge.engine.linear import (
+    GEMV_CHUNKED_MAX_ROWS,
     GEMV_MAX_ROWS,
     Int8Weight,
     Linear,
@@ -37,7 +38,8 @@ def test_packing_error_stays_within_each_formats_rounding():
 
 
 @pytest.mark.parametrize("fmt", ["int8", "bfloat16"])
-@pytest.mark.parametrize("rows", [1, 3, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 3, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 2 * GEMV_MAX_ROWS + 8,
+                                  GEMV_CHUNKED_MAX_ROWS, GEMV_CHUNKED_MAX_ROWS + 1])
 def test_the_tvm_products_equal_torch_on_the_same_packed_weights(fmt, rows):
     gen = torch.Generator().manual_seed(rows)
     w = pack(torch.randn(258, 704, generator=gen), fmt)  # 258: two rows past the blocks of 4
@@ -45,7 +47,9 @@ def test_the_tvm_products_equal_torch_on_the_same_packed_weights(fmt, rows):
     bias, base = torch.randn(258, generator=gen), torch.randn(rows, 258, generator=gen)
     widened = w.dequantize() if fmt == "int8" else w.float()
     tvm, ref = Linear("tvm"), Linear("torch")
-    exact = fmt == "int8" or rows <= GEMV_MAX_ROWS  # bf16 prefill rounds x too (bf16 GEMM)
+    # Through the kernels (in chunks past GEMV_MAX_ROWS) x stays float32; bf16 prefill rounds
+    # x too (a bf16 GEMM).
+    exact = fmt == "int8" or rows <= GEMV_CHUNKED_MAX_ROWS
     for a, b in ((tvm(x, w, bias), x @ widened.t() + bias),
                  (tvm.add(base, x, w), base + x @ widened.t())):
         assert a.dtype == torch.float32 and a.shape == (rows, 258)
