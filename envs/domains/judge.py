@@ -149,19 +149,14 @@ class SGLangJudgeClient:
             "text": prompt,
             "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens},
         }
-        if self.chat_template:
-            try:
-                async with httpx.AsyncClient(timeout=self.timeout_s) as client:
-                    tok = await self._tokenizer(client)
-            except httpx.HTTPError as exc:
-                raise JudgeUnavailable(f"judge at {self.url} unreachable: {exc!r}") from None
-            if tok is not None:
-                from reinforge.rl.prompts import task_prompt_ids
-
-                del body["text"]
-                body["input_ids"] = task_prompt_ids(tok, prompt)
         try:
             async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+                tok = await self._tokenizer(client) if self.chat_template else None
+                if tok is not None:
+                    from reinforge.rl.prompts import task_prompt_ids
+
+                    del body["text"]
+                    body["input_ids"] = task_prompt_ids(tok, prompt)
                 resp = await client.post(f"{self.url}/generate", json=body)
         except httpx.HTTPError as exc:
             raise JudgeUnavailable(f"judge at {self.url} unreachable: {exc!r}") from None
