@@ -92,16 +92,14 @@ class LlamaCpp:
 
 
 def engine_generate(engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    from reinforge.engine.engine import Group, Sequence
+    """Greedy `new_tokens` after each prompt through bench/engine.py's `run_engine`."""
     from reinforge.engine.sampling import SamplingParams
 
+    sys.path.insert(0, str(Path(__file__).parent))  # bench/ is not a package
+    from engine import run_engine
+
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    done: dict = {}
-    for i, ids in enumerate(prompts):
-        seq = Sequence(rid=f"b{i}", index=i, prompt_ids=ids, params=params,
-                       sink=lambda u: u.finish_reason is not None and done.__setitem__(u.index, u))
-        engine.submit(Group(prompt_ids=ids, seqs=[seq]))
-    engine.run_until_idle()
+    _, done = run_engine(engine, prompts, params)
     return [done[i].output_ids for i in range(len(prompts))]
 
 
