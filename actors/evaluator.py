@@ -622,7 +622,7 @@ class Evaluator(Actor):
         cfg: EvaluatorConfig = self.config
         spec = ServerSpec(model_path=model_path, initial_version=version or 0,
                           server_args=list(cfg.server_args))
-        server = ServerProcess(spec, Path(tempfile.mkdtemp(prefix="rf-eval-")) / "server.log")
+        server = ServerProcess(spec, paths.actor_server_log(self.ctx.run, self.ctx.actor_id))
         server.start()
         try:
             with self.ctx.waiting("eval rollout server start",

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -54,7 +55,7 @@ from reinforge.rl.episodes import EpisodeTrace, domain_tools, run_episode
 from reinforge.rl.prompts import task_prompt_ids
 from reinforge.rollout.server import BACKENDS, ServerProcess, ServerSpec
 from reinforge.envs.sandbox.owned import hold_sandbox_runner, sandbox_labels
-from reinforge.core import subjects
+from reinforge.core import paths, subjects
 from reinforge.core.weights import local_weights
 from reinforge.core.cluster import RUN_DEFAULTS
 from reinforge.engine.tokenizer import load_tokenizer
@@ -291,7 +292,8 @@ class SamplerActor(Actor):
         # is given; else the sampler starts one of its own.
         url = cfg.url or os.environ.get("REINFORGE_ROLLOUT_URL", "")
         if not url:
-            self.server = ServerProcess(cfg.server_spec(), Path(self._tmp) / "server.log")
+            self.server = ServerProcess(cfg.server_spec(),
+                                        paths.actor_server_log(self.ctx.run, self.ctx.actor_id))
             self.server.start()
             with self.ctx.waiting("rollout server start", deadline_s=cfg.server_start_timeout_s):
                 url = await self.server.wait_url(cfg.server_start_timeout_s)
@@ -329,6 +331,7 @@ class SamplerActor(Actor):
             await self.client.aclose()
         if self.server is not None:
             await trio.to_thread.run_sync(self.server.stop)
+        shutil.rmtree(self._tmp, ignore_errors=True)  # weights fetched from another host
 
     async def _poll_weights(self) -> None:
         while True:

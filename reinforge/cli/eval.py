@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 from statistics import fmean
@@ -196,7 +195,7 @@ def _start_server(args: argparse.Namespace) -> Any:
     from reinforge.rollout.server import ServerProcess, ServerSpec
 
     cfg = ServerSpec(model_path=args.model, server_args=list(args.server_arg))
-    server = ServerProcess(cfg, Path(tempfile.mkdtemp(prefix="rf-eval-")) / "server.log")
+    server = ServerProcess(cfg)
     server.start()
     return server
 

@@ -5,9 +5,11 @@
 from __future__ import annotations
 
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import msgspec
@@ -66,16 +68,20 @@ def _free_port() -> int:
 
 
 class ServerProcess:
-    """A rollout server started (and stopped) by its owner."""
+    """A rollout server started (and stopped) by its owner. Its log and port file go to
+    `log_path`, or to a scratch folder of its own that `stop` removes (a failed start's
+    error carries the log's tail)."""
 
-    def __init__(self, cfg: ServerSpec, log_path: Path) -> None:
+    def __init__(self, cfg: ServerSpec, log_path: Path | None = None) -> None:
         self.cfg = cfg
-        self.log_path = log_path
-        self.port_file = str(log_path.with_suffix(".port"))
+        self._scratch = None if log_path else Path(tempfile.mkdtemp(prefix="rf-server-"))
+        self.log_path = log_path or self._scratch / "server.log"
+        self.port_file = str(self.log_path.with_suffix(".port"))
         self.argv = server_command(cfg, self.port_file)
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
+        Path(self.port_file).unlink(missing_ok=True)  # a restarted owner's, naming a dead port
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -117,14 +123,18 @@ class ServerProcess:
             return ""
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
         try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            if self.proc is None or self.proc.poll() is not None:
+                return
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        finally:
+            if self._scratch is not None:
+                shutil.rmtree(self._scratch, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- the actor

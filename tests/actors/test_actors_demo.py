@@ -72,6 +72,9 @@ def test_a_short_demo_advances_versions_scores_every_domain_and_writes_the_repor
     report = Path(result["report"])
     assert report.exists() and "reward" in report.read_text().lower()
     assert len(list(report.parent.glob("*.png"))) >= 3
+    # the sampler's and the guard's own rollout servers logged beside their actors
+    assert sorted(p.name for p in (run_dir / "logs").glob("*-rollout-server.log")) == \
+        ["evaluator-ci-demo-0-rollout-server.log", "sampler-ci-demo-0-rollout-server.log"]
     # the demo's cluster was stopped: nothing of the run is left on this host
     import psutil
 

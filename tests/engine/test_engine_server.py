@@ -403,3 +403,25 @@ def test_a_server_with_int8_weights_says_so_generates_and_keeps_the_format_acros
     assert all(lp <= 0 for lp, _, _ in first["meta_info"]["output_token_logprobs"])
     assert r.json()["success"] and after["weight_dtype"] == "int8"
     assert again["output_ids"] == first["output_ids"]  # the same weights, packed the same way
+
+
+def test_a_server_process_given_no_log_path_removes_its_scratch_folder_when_stopped(
+        tiny_model_dir):
+    import trio
+    from reinforge.rollout.client import RolloutClient
+    from reinforge.rollout.server import ServerProcess, ServerSpec
+
+    server = ServerProcess(ServerSpec(model_path=str(tiny_model_dir)))
+    scratch = server.log_path.parent
+
+    async def served_model() -> str:
+        async with RolloutClient(await server.wait_url(120.0), timeout_s=30) as client:
+            return str((await client.model_info())["model_path"])
+
+    server.start()
+    try:
+        assert trio.run(served_model) == str(tiny_model_dir)
+        assert server.log_path.is_file() and scratch.is_dir()
+    finally:
+        server.stop()
+    assert not scratch.exists()
