@@ -251,6 +251,16 @@ def cached_result(out: str | Path, digest: str) -> dict[str, Any] | None:
             **existing.extra.get("summary", {})}
 
 
+def seeded_torch(threads: int, seed: int) -> Any:
+    """torch, set up for a reproducible training run on `threads` CPU threads (imported
+    here: a cached result never pays for it)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    return torch
+
+
 def load_trainer_state(path: str | Path) -> dict[str, Any]:
     """The `trainer_state.pt` of a checkpoint directory (tensors, numbers, strings only)."""
     import torch

@@ -189,10 +189,7 @@ def train_reward_model(cfg: RMConfig,
     if cached is not None:
         return cached
 
-    import torch
-
-    torch.set_num_threads(cfg.torch_threads)
-    torch.manual_seed(cfg.seed)
+    torch = ckpt.seeded_torch(cfg.torch_threads, cfg.seed)
     tok, model, pad = load_scorer(cfg.model)
     pairwise = isinstance(rows[0], Pair)
     order = list(range(len(rows)))

@@ -159,12 +159,10 @@ def run_sft(cfg: SFTConfig, progress: Callable[[str], None] = lambda s: None) ->
     if cached is not None:
         return cached
 
-    import torch
     from reinforge.engine.tokenizer import load_tokenizer
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(cfg.torch_threads)
-    torch.manual_seed(cfg.seed)
+    torch = ckpt.seeded_torch(cfg.torch_threads, cfg.seed)
     tok = load_tokenizer(cfg.model)
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
     model.train()
