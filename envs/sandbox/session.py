@@ -86,7 +86,7 @@ class SandboxSession:
                     if rss_of_host_uid(box.host_uid) > box.config.memory_bytes:
                         return self._end("the episode's processes exceeded the memory limit",
                                          kill=True)
-        except EOFError:
+        except (EOFError, BrokenPipeError, ConnectionResetError):  # its pipes closed
             if box.alive():
                 return self._end("the session's process was killed (by the episode's code?)",
                                  kill=False)

@@ -189,3 +189,31 @@ def test_a_sigkill_at_the_deadline_is_a_timeout_in_a_batch_as_in_a_single_run(
         result = box.run_task({}, ["spin"])
     assert (result.status, result.exit_code) == (status, 137)
     assert result.timed_out is (status is RunStatus.TIMEOUT)
+
+
+@pytest.mark.parametrize("closed", [EOFError(), BrokenPipeError(32, "Broken pipe")])
+def test_unit_fake_pipes_a_session_whose_sandbox_is_gone_says_it_died_however_the_pipe_ends(
+        closed):
+    """Whether the request's write or its read finds the killed container first is a race:
+    either way the episode is told the sandbox died (an infrastructure error)."""
+    from reinforge.envs.sandbox.box import LimitMechanism
+    from reinforge.envs.sandbox.session import SandboxSession, SessionEnded
+
+    class GonePipes:  # a stand-in for the attached exec's pipes, closed under us
+        def send(self, data: bytes) -> None:
+            if isinstance(closed, BrokenPipeError):
+                raise closed
+
+        def read_frame(self, deadline: float) -> bytes:
+            raise EOFError
+
+        def close(self) -> None:
+            pass
+
+    box = SimpleNamespace(name="rf-sandbox-x", limits=LimitMechanism.CGROUP, host_uid=None,
+                          config=SimpleNamespace(memory_poll_s=0.1), alive=lambda: False,
+                          kill=lambda: None)
+    session = SandboxSession(box, GonePipes(), {})
+    with pytest.raises(SessionEnded) as ended:
+        session.request({"op": "run"}, timeout_s=1.0)
+    assert ended.value.infra and "died" in str(ended.value), ended.value
