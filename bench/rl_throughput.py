@@ -99,7 +99,8 @@ def run_mode(mode: str, sft: Path, args: argparse.Namespace) -> dict[str, float]
     if mode == "sync":
         return run_sync_mode(sft, domains, run_dir, args)
     cfg_args = argparse.Namespace(group_size=args.group_size, groups_per_version=args.groups_per_version,
-                                  learning_rate=LEARNING_RATE, tis_cap=2.0, kl_coef=0.0)
+                                  learning_rate=LEARNING_RATE, tis_cap=2.0, kl_coef=0.0,
+                                  lora_rank=0)
     config = run_dir / "bench.toml"
     config.write_text(demo.cluster_config(run, run_dir, sft, domains, cfg_args,
                                           max_staleness=0 if mode == "onpolicy" else 2))

@@ -70,15 +70,20 @@ def generate(rng: random.Random, tier: int) -> tuple[str, Fraction, list[str]]:
     if tier == 1:
         a, b = rng.randint(10, 99), rng.randint(10, 99)
         if rng.random() < 0.5:
-            return f"{a} + {b}", Fraction(a + b), []
+            tens, ones = b - b % 10, b % 10
+            return f"{a} + {b}", Fraction(a + b), [f"{a} + {tens} = {a + tens}",
+                                                    f"{a + tens} + {ones} = {a + b}"]
         a, b = max(a, b), min(a, b)
-        return f"{a} - {b}", Fraction(a - b), []
+        tens, ones = b - b % 10, b % 10
+        return f"{a} - {b}", Fraction(a - b), [f"{a} - {tens} = {a - tens}",
+                                                f"{a - tens} - {ones} = {a - b}"]
     if tier == 2:
         a, b, c = rng.randint(2, 19), rng.randint(2, 12), rng.randint(1, 50)
         op = rng.choice("+-")
         ab = a * b
         value = ab + c if op == "+" else ab - c
-        return f"{a} * {b} {op} {c}", Fraction(value), [f"{a} * {b} = {ab}"]
+        return f"{a} * {b} {op} {c}", Fraction(value), [f"{a} * {b} = {ab}",
+                                                         f"{ab} {op} {c} = {value}"]
     if tier == 3:
         a, b = rng.randint(10, 999), rng.randint(10, 999)
         c, d = rng.randint(2, 19), rng.randint(1, 999)

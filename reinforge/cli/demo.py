@@ -29,15 +29,20 @@ DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_DOMAINS = "math"
 # What the policy starts from sets the warm start and the step size: the tiny policies
 # (`--model tiny|wide`, made here from scratch) learn the answer format from 150 SFT steps at
-# 1e-3 and RL at 1e-4; a pretrained model needs only its format (40 steps, gently) and would
-# unlearn at the tiny policy's rates.
-TINY_SFT_STEPS, TINY_LEARNING_RATE, TINY_MINUTES = 150, 1e-4, 10.0
-PRETRAINED_SFT_STEPS, PRETRAINED_LEARNING_RATE, PRETRAINED_MINUTES = 40, 2e-5, 20.0
+# 1e-3 and RL at 1e-4; a pretrained model needs only its format (40 steps, gently) and small
+# RL steps over more samples: one AdamW step at 1e-5 already moves a failing answer's
+# logprob by nats, so at 2e-5 and above each version's noise undoes the last one's signal.
+TINY_SFT_STEPS, TINY_LEARNING_RATE, TINY_MINUTES, TINY_GROUPS_PER_VERSION = 150, 1e-4, 10.0, 2
+PRETRAINED_SFT_STEPS, PRETRAINED_LEARNING_RATE, PRETRAINED_MINUTES = 40, 3e-6, 20.0
+PRETRAINED_GROUPS_PER_VERSION = 4
 """A 135 M-parameter learner step takes seconds on 2 cores: ten minutes (download, SFT and
 two evaluations included) leave about 30 versions, too few for a clear held-out change."""
 PRETRAINED_SFT_LR = 2e-5
 """The SFT warm start's learning rate for a pretrained model (the tiny policy's, 1e-3, would
 undo what pretraining taught)."""
+PRETRAINED_SFT_TIERS = (0, 1, 2)
+"""The tiers a pretrained model's warm start shows: the harder ones' references carry worked
+steps (math's), which a model that has only seen tier 0's bare answers never writes."""
 # The cluster's sizing for 2 CPU cores (bench/rl_throughput.py's synchronous baseline reads
 # the same numbers).
 MAX_IN_FLIGHT = 16
@@ -80,8 +85,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--learning-rate", type=float, default=None,
                    help=f"the learner's (default {PRETRAINED_LEARNING_RATE:g}; "
                         f"{TINY_LEARNING_RATE:g} with --model tiny or wide)")
-    p.add_argument("--groups-per-version", type=int, default=2,
-                   help="groups with signal per learner step (one step = one version)")
+    p.add_argument("--groups-per-version", type=int, default=None,
+                   help="groups with signal per learner step (one step = one version; default "
+                        f"{PRETRAINED_GROUPS_PER_VERSION}; {TINY_GROUPS_PER_VERSION} with "
+                        "--model tiny or wide)")
     p.add_argument("--eval-k", type=int, default=None, help="pass@k's k (default 4; 2 with "
                    "--suite)")
     p.add_argument("--eval-tasks-per-tier", type=int, default=None,
@@ -108,6 +115,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--kl-coef", type=float, default=0.0,
                    help="the learner's KL penalty to the SFT start, the regularised side of "
                         "the forgetting guard (0: off, the default)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="train LoRA adapters of this rank (alpha = 2 x rank) on every linear "
+                        "layer instead of every weight (0: off, the default)")
     p.add_argument("--json", action="store_true", help="end with one JSON object on stdout")
     p.set_defaults(func=cmd_demo)
 
@@ -210,8 +220,9 @@ def ensure_models(home: Path, domains: list[str], sft_steps: int,
     longer = {"max_len": TOOL_SFT_MAX_LEN} if with_tools(domains) else {}
     # A pretrained model is nudged toward the answer format, not taught from scratch.
     gentle = {"learning_rate": PRETRAINED_SFT_LR, "batch_size": 8} if model is not None else {}
+    tiers = PRETRAINED_SFT_TIERS if model is not None else (0,)
     result = run_sft(
-        SFTConfig(model=str(base), out=str(sft), domains=tuple(domains), tiers=(0,),
+        SFTConfig(model=str(base), out=str(sft), domains=tuple(domains), tiers=tiers,
                   steps=sft_steps, num_examples=384, heldout=heldout, **longer, **gentle),
         progress=lambda line: say(f"sft: {line}"),
     )
@@ -267,13 +278,15 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
 spec = "reinforge.actors.evaluator:Evaluator"
 config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], k = 2, every_versions = {args.guard_every}, score_per_tier = {GUARD_TASKS_PER_TIER}, thresholds = {{ {", ".join(f"{json.dumps(d)} = {v:.4f}" for d, v in guard.items())} }}, max_new_tokens = {new_tokens}, concurrency = 2, sandbox_pool_size = 1, domains_per_version = {guard_rotation}{suite_overlap} }}
 """
+    lora = (f", lora = {{ r = {args.lora_rank}, alpha = {2.0 * args.lora_rank} }}"
+            if args.lora_rank else "")
     held = f"tasks_per_tier = {heldout_per_tier}" + (
         f", tiers = {json.dumps(heldout_tiers)}" if heldout_tiers else "")
     return f"""# Written by `reinforge demo`; `reinforge up {run_dir / 'demo.toml'}` runs it again.
 [run]
 name = "{run}"
 group_size = {args.group_size}
-groups_per_version = {args.groups_per_version}
+groups_per_version = {args.groups_per_version or PRETRAINED_GROUPS_PER_VERSION}
 max_staleness = {max_staleness}
 temperature = 1.0
 heldout = {{ {held} }}
@@ -295,7 +308,7 @@ config = {{ domains = [{dlist}], sandbox_pool_size = {SANDBOX_POOL_SIZE} }}
 
 [[actors]]
 spec = "reinforge.actors.learner:Learner"
-config = {{ model = {json.dumps(str(sft))}, checkpoint_dir = {json.dumps(str(ckpt))}, learning_rate = {args.learning_rate or TINY_LEARNING_RATE}, tis_cap = {args.tis_cap}, kl_coef = {args.kl_coef}, torch_threads = 1, keep_last = 2, keep_every = {args.guard_every if guard is not None else 0} }}
+config = {{ model = {json.dumps(str(sft))}, checkpoint_dir = {json.dumps(str(ckpt))}, learning_rate = {args.learning_rate or TINY_LEARNING_RATE}, tis_cap = {args.tis_cap}, kl_coef = {args.kl_coef}, torch_threads = 1, keep_last = 2, keep_every = {args.guard_every if guard is not None else 0}{lora} }}
 
 [[actors]]
 spec = "reinforge.actors.monitor:Monitor"
@@ -355,8 +368,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     model = None if from_scratch else start_model(args.model)
     sft_steps = args.sft_steps if args.sft_steps is not None else (
         TINY_SFT_STEPS if from_scratch else PRETRAINED_SFT_STEPS)
+    if args.lora_rank < 0:
+        raise UserError(f"--lora-rank must be >= 0 (0: no LoRA), got {args.lora_rank}")
     if args.learning_rate is None:
         args.learning_rate = TINY_LEARNING_RATE if from_scratch else PRETRAINED_LEARNING_RATE
+    if args.groups_per_version is None:
+        args.groups_per_version = (TINY_GROUPS_PER_VERSION if from_scratch
+                                   else PRETRAINED_GROUPS_PER_VERSION)
     left_out: dict[str, str] = {}
     if args.suite:
         domains, sft_domains, left_out = suite_domains()

@@ -207,7 +207,7 @@ def test_the_suite_takes_the_gym_families_whose_prompts_fit_and_says_why_others_
     assert "gym-sokoban" in left_out  # about 9 s a task
 
 
-def test_the_demos_kl_coefficient_reaches_the_learners_config(tmp_path):
+def test_the_demos_kl_coefficient_and_lora_rank_reach_the_learners_config(tmp_path):
     import argparse
 
     from reinforge.cli.demo import cluster_config, register
@@ -222,6 +222,11 @@ def test_the_demos_kl_coefficient_reaches_the_learners_config(tmp_path):
         learner, = [a for a in load_cluster_config(config).actors
                     if a.spec.endswith(":Learner")]
         assert learner.config["kl_coef"] == want
+        assert "lora" not in learner.config
+    config.write_text(cluster_config("kl", tmp_path, tmp_path / "sft", ["math"],
+                                     parser.parse_args(["demo", "--lora-rank", "8"])))
+    learner, = [a for a in load_cluster_config(config).actors if a.spec.endswith(":Learner")]
+    assert learner.config["lora"] == {"r": 8, "alpha": 16.0}
 
 
 def test_a_demo_of_tool_domains_gives_its_sampler_a_sandbox_and_turns_long_enough_for_a_call(

@@ -23,6 +23,24 @@ def test_reference_completions_score_one_on_every_tier(tier):
         assert (v.reward, v.outcome) == (1.0, "pass"), (task.prompt, task.reference, v)
 
 
+@pytest.mark.parametrize("tier", [1, 2, 3])
+def test_worked_steps_are_true_and_each_does_one_operation_ending_at_the_answer(tier):
+    from fractions import Fraction
+
+    d = MathDomain()
+    rng = random.Random(100 + tier)
+    for _ in range(50):
+        task = d.sample_task(rng, tier)
+        *steps, final = task.reference.splitlines()
+        assert len(steps) >= 2, task.reference  # a demonstration shows how, not only what
+        for step in steps:
+            left, right = step.split(" = ")
+            a, op, b = left.split(" ")  # one operation per line: small enough to learn
+            assert op in "+-*"
+            assert Fraction(eval(left)) == Fraction(right), step
+        assert steps[-1].split(" = ")[1] == final.removeprefix("#### ")
+
+
 def test_generation_is_seeded():
     d = MathDomain()
     assert d.sample_task(random.Random(7), 3) == d.sample_task(random.Random(7), 3)
