@@ -104,6 +104,10 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     weights, float32 master weights in the optimizer); logprobs are float32 in every case."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, more compute)."""
+    share_prompts: bool = True
+    """Samples with one prompt (a group's) share a forward pass over it: its keys and
+    values serve each output, as in generation (`trainer.prompt_group_logprobs`). Off, or
+    with gradient_checkpointing: each sample is one padded sequence of prompt + output."""
     publish_weights: str = "path"
     """`path`: samplers load each version from the checkpoint path (one host, or a shared
     disk). `store`: each version is also put into the run's JetStream object store, from

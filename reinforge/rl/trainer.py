@@ -10,6 +10,7 @@ episodes has 0).
 
 from __future__ import annotations
 
+import inspect
 import time
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,45 @@ def sequence_logprobs(
     return logp, mask
 
 
+def prompt_group_logprobs(
+    model: Any,
+    prompt_ids: list[int],
+    output_ids: list[list[int]],
+    *,
+    temperature: float = 1.0,
+    pad_id: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sequence_logprobs` of outputs that share one prompt (a GRPO group's samples differ
+    only after it): the prompt passes through the model once and its keys and values serve
+    every output, so a group of G costs P + G x T tokens of compute instead of G x (P + T).
+    Gradients flow through the shared keys and values as through G copies of them."""
+    if not prompt_ids or not output_ids:
+        raise ValueError("prompt_group_logprobs needs a prompt and at least one output")
+    device = next(model.parameters()).device
+    g, t_out = len(output_ids), max(len(o) for o in output_ids)
+    head = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True,
+                 logits_to_keep=1)
+    targets = padded(output_ids, t_out, torch.long).to(device)
+    logits = head.logits[:, -1:].expand(g, 1, -1)  # predicts every output's first token
+    if t_out > 1:
+        name = cache_argument(model)
+        cache = getattr(head, name)
+        cache.batch_repeat_interleave(g)
+        # right padding: a padded position comes after every position that is read
+        rest = model(input_ids=targets[:, :-1], use_cache=True, **{name: cache}).logits
+        logits = torch.cat([logits, rest], dim=1)
+    lengths = torch.tensor([len(o) for o in output_ids], device=device).unsqueeze(1)
+    mask = torch.arange(t_out, device=device).unsqueeze(0) < lengths
+    return target_logprobs(logits, targets, temperature) * mask, mask
+
+
+def cache_argument(model: Any) -> str:
+    """The name a causal LM's forward takes its KV cache by (and returns it as): `cache`
+    since transformers 5.25, `past_key_values` before (5.25 still takes it, with a warning)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
 def padded(rows: list[list[float]] | list[list[int]], width: int,
            dtype: torch.dtype) -> torch.Tensor:
     """Rows right-padded with zeros to `width` columns, as one [len(rows), width] tensor."""
@@ -99,6 +139,7 @@ class Trainer:
     ) -> None:
         torch.set_num_threads(cfg.torch_threads)
         torch.manual_seed(cfg.seed)
+        keep_freed_memory()
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         self.dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
@@ -114,6 +155,8 @@ class Trainer:
                       or self.model.gradient_checkpointing_enable)
             enable()
         self.model.train()
+        # transformers keeps no cache under activation checkpointing: nothing to share then
+        self.share_prompts = cfg.share_prompts and not cfg.gradient_checkpointing
         self.pad_id = int(self.model.config.pad_token_id or 0)
         self._new_optimizer(state)
         if state is not None:
@@ -136,8 +179,9 @@ class Trainer:
             kept = (state or {}).get("master")
             self.master = [(kept[i] if kept else p.detach()).float().clone().requires_grad_(True)
                            for i, p in enumerate(params)]
+        # the fused kernel: one pass over each tensor (bench/learner_step.py times both)
         self.optimizer = torch.optim.AdamW(self.master or params, lr=self.cfg.learning_rate,
-                                           weight_decay=self.cfg.weight_decay)
+                                           weight_decay=self.cfg.weight_decay, fused=True)
 
     def _trained(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -254,16 +298,28 @@ class Trainer:
                 figures[f"clip_frac_epoch_{e}"] = sum(mine) / len(mine)
         return figures
 
+    def _batches(self, samples: list[Any]) -> list[list[Any]]:
+        """The micro-batches of `samples`: with shared prompts, each holds one prompt's."""
+        return micro_batches(samples, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens,
+                             by_prompt=self.share_prompts)
+
+    def _sequence_logprobs(self, model: Any, mb: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`mb`'s output logprobs under `model` (the policy or the reference) and their mask."""
+        kw = {"temperature": self.cfg.temperature, "pad_id": self.pad_id}
+        if self.share_prompts and len(mb) > 1:
+            return prompt_group_logprobs(model, mb[0].prompt_ids, [s.output_ids for s in mb], **kw)
+        return sequence_logprobs(model, [s.prompt_ids for s in mb], [s.output_ids for s in mb],
+                                 **kw)
+
     def logprobs(self, samples: list[Any]) -> list[torch.Tensor]:
         """The policy's logprobs of each sample's output tokens now (no gradient)."""
-        cfg = self.cfg
-        out: list[torch.Tensor] = []
+        out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
+        index = {id(s): i for i, s in enumerate(samples)}  # micro-batches may regroup them
         with torch.no_grad(), self._forward():
-            for mb in micro_batches(samples, cfg.micro_batch_size, cfg.micro_batch_tokens):
-                logp, _ = sequence_logprobs(self.model, [s.prompt_ids for s in mb],
-                                            [s.output_ids for s in mb],
-                                            temperature=cfg.temperature, pad_id=self.pad_id)
-                out += [logp[i, : len(s.output_ids)].cpu() for i, s in enumerate(mb)]
+            for mb in self._batches(samples):
+                logp, _ = self._sequence_logprobs(self.model, mb)
+                for i, s in enumerate(mb):
+                    out[index[id(s)]] = logp[i, : len(s.output_ids)].cpu()
         return out
 
     def _optimizer_step(self, samples: list[Any], proximal: list[torch.Tensor] | None,
@@ -278,13 +334,9 @@ class Trainer:
         on_policy_dev = 0.0
         index = {id(s): i for i, s in enumerate(samples)}
         self.optimizer.zero_grad(set_to_none=True)
-        for mb in micro_batches(samples, cfg.micro_batch_size, cfg.micro_batch_tokens):
-            prompts = [s.prompt_ids for s in mb]
-            outputs = [s.output_ids for s in mb]
+        for mb in self._batches(samples):
             with self._forward():
-                logp, in_seq = sequence_logprobs(
-                    self.model, prompts, outputs, temperature=cfg.temperature, pad_id=self.pad_id
-                )
+                logp, in_seq = self._sequence_logprobs(self.model, mb)
             width, dev = logp.shape[1], logp.device
             mask = padded([s.loss_mask for s in mb], width, logp.dtype).to(dev) * in_seq
             old = padded([s.logprobs for s in mb], width, logp.dtype).to(dev)
@@ -305,8 +357,7 @@ class Trainer:
             loss = policy_loss
             if self.reference is not None:
                 with torch.no_grad(), self._forward():
-                    ref, _ = sequence_logprobs(self.reference, prompts, outputs,
-                                               temperature=cfg.temperature, pad_id=self.pad_id)
+                    ref, _ = self._sequence_logprobs(self.reference, mb)
                 kl = token_mean(k3_kl(logp, ref, mask), mask, num_tokens)
                 loss = loss + cfg.kl_coef * kl
                 sums["kl_ref"] += kl.item()
@@ -359,6 +410,26 @@ class Trainer:
         return norm
 
 
+def keep_freed_memory() -> None:
+    """Have glibc's malloc keep freed memory for reuse in this process. By default it hands
+    blocks over 32 MB back to the kernel and page-faults them in again on the next use; a
+    training step allocates the same large buffers every time (a 135 M model's tied
+    embedding gradient alone is 113 MB), which made a fifth of a CPU step system time.
+    Not glibc (another libc, macOS): nothing to do."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return
+    m_trim_threshold, m_mmap_max = -1, -4  # malloc.h
+    mallopt(m_mmap_max, 0)  # large blocks come from the heap, which keeps them ...
+    mallopt(m_trim_threshold, 1 << 30)  # ... unless over 1 GB lies free at its top
+
+
 def with_lora(model: Any, lora: Any) -> Any:
     """`model` with peft's LoRA adapters on `lora.targets`, only they trainable."""
     try:
@@ -386,10 +457,17 @@ def split_evenly(items: list[int], parts: int) -> list[list[int]]:
     return out
 
 
-def micro_batches(samples: list[Any], size: int, token_budget: int = 0) -> list[list[Any]]:
+def micro_batches(samples: list[Any], size: int, token_budget: int = 0, *,
+                  by_prompt: bool = False) -> list[list[Any]]:
     """Consecutive runs of at most `size` samples and, with a `token_budget`, at most that
     many padded tokens (run length x its longest prompt + output); a sample longer than the
-    budget gets a run of its own."""
+    budget gets a run of its own. `by_prompt`: the samples are first put together by prompt
+    (in the order prompts first appear) and each run holds one prompt's samples."""
+    if by_prompt:
+        by: dict[tuple[int, ...], list[Any]] = {}
+        for s in samples:
+            by.setdefault(tuple(s.prompt_ids), []).append(s)
+        return [run for same in by.values() for run in micro_batches(same, size, token_budget)]
     out: list[list[Any]] = []
     run: list[Any] = []
     longest = 0

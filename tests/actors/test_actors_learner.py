@@ -100,10 +100,13 @@ def test_learner_logprobs_match_generate_and_the_on_policy_ratio_is_exactly_one(
         logp, _ = sequence_logprobs(trainer.model, prompts, outputs)
     behaviour = torch.tensor([s.rollout.logprobs for s in group])
     assert torch.allclose(logp, behaviour, atol=1e-4)  # generate's logprobs = the learner's
-    # behaviour logprobs from the learner's own forward: the ratio must be exactly 1
-    on_policy = [m.ScoredRollout(rollout=m.Rollout(**{**_fields(s.rollout), "logprobs": lp}),
+    # behaviour logprobs from the learner's own forward (its group forward shares the
+    # prompt): the ratio must be exactly 1
+    own = trainer.logprobs(prepare_samples([group], AdvantageNorm.GROUP_STD)[0])
+    on_policy = [m.ScoredRollout(rollout=m.Rollout(**{**_fields(s.rollout),
+                                                     "logprobs": lp.tolist()}),
                                  reward=s.reward, outcome=s.outcome)
-                 for s, lp in zip(group, logp.tolist(), strict=True)]
+                 for s, lp in zip(group, own, strict=True)]
     samples, _ = prepare_samples([on_policy], AdvantageNorm.GROUP_STD)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     fig = trainer.train_step(samples, version=0)
@@ -127,10 +130,9 @@ TURNS_MASK = [1, 1, 0, 0, 1, 1, 0, 0]
 
 
 def learner_logprobs(trainer, group) -> list[list[float]]:
-    with torch.no_grad():
-        logp, _ = sequence_logprobs(trainer.model, [s.rollout.prompt_ids for s in group],
-                                    [s.rollout.output_ids for s in group])
-    return logp.tolist()
+    """The trainer's own logprobs of `group`'s outputs (by the path its steps take)."""
+    samples, _ = prepare_samples([group], AdvantageNorm.GROUP_STD)
+    return [logp.tolist() for logp in trainer.logprobs(samples)]
 
 
 def behaviour_at(own: list[list[float]], env_logprob: float) -> list[list[float]]:
@@ -258,11 +260,53 @@ def test_micro_batches_respect_the_sequence_and_the_padded_token_budgets():
     assert split_evenly([0, 1], 4) == [[0], [1]]
 
 
+def test_micro_batches_by_prompt_hold_one_prompt_each_in_first_seen_order():
+    from reinforge.rl.trainer import micro_batches
+
+    class S:
+        def __init__(self, prompt, n):
+            self.prompt_ids, self.output_ids = prompt, [2] * n
+
+    samples = [S([1], 3), S([7, 7], 3), S([1], 4), S([7, 7], 2), S([1], 5), S([3], 1)]
+    runs = micro_batches(samples, size=2, by_prompt=True)
+    assert [[samples.index(s) for s in run] for run in runs] == [[0, 2], [4], [1, 3], [5]]
+
+
+def test_a_shared_prompt_forward_gives_each_output_the_logprobs_and_gradient_of_its_own(
+        tiny_model_dir):
+    """The group forward (the prompt once, its keys and values for every output) computes
+    the same function as one padded sequence per sample, outputs of unequal length too."""
+    from reinforge.rl.trainer import load_policy, prompt_group_logprobs
+
+    torch.manual_seed(0)
+    model = load_policy(tiny_model_dir).train()
+    prompt = torch.randint(5, 400, (11,)).tolist()
+    outputs = [torch.randint(5, 400, (n,)).tolist() for n in (6, 1, 9, 3)]
+    weights = torch.arange(1.0, 10.0)  # a loss that weighs every position differently
+    results = []
+    for forward in (lambda: sequence_logprobs(model, [prompt] * 4, outputs),
+                    lambda: prompt_group_logprobs(model, prompt, outputs)):
+        model.zero_grad(set_to_none=True)
+        logp, mask = forward()
+        (logp * weights).sum().backward()
+        results.append((logp.detach(), mask, [p.grad.clone() for p in model.parameters()]))
+    (each, each_mask, each_grad), (shared, shared_mask, shared_grad) = results
+    assert torch.equal(each_mask, shared_mask)
+    assert each_mask.sum(dim=1).tolist() == [6, 1, 9, 3]
+    assert torch.allclose(each, shared, atol=1e-5)
+    # float32 sums in another order: each tensor agrees to 1e-5 of its largest entry
+    assert all(float((a - b).abs().max()) <= 1e-5 * float(a.abs().max())
+               for a, b in zip(each_grad, shared_grad, strict=True))
+    assert any(bool(g.abs().sum() > 0) for g in shared_grad)
+
+
 def test_the_gradient_is_the_same_whatever_the_micro_batches(tiny_model_dir, tmp_path):
     group = synthetic_group("mb", [1.0, 0.0, 0.0, 1.0], tokens=6)
     grads = []
     for cut in ({"micro_batch_size": 8}, {"micro_batch_size": 1},
-                {"micro_batch_size": 8, "micro_batch_tokens": 20}):
+                {"micro_batch_size": 8, "micro_batch_tokens": 20},
+                {"micro_batch_size": 8, "share_prompts": False},
+                {"micro_batch_size": 3, "gradient_checkpointing": True}):
         trainer = Trainer(make_config(tiny_model_dir, tmp_path, max_grad_norm=0.0, **cut),
                           tiny_model_dir)
         recorder = GradientRecorder(trainer)
