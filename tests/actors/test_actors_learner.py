@@ -370,6 +370,33 @@ def test_bf16_training_steps_float32_masters_and_serves_their_bf16_rounding(
     assert trainer.optimizer.state_dict()["state"].keys() == state["optimizer"]["state"].keys()
 
 
+def test_a_checkpoint_keeps_the_optimizers_moments_in_safetensors_and_gives_them_back_exactly(
+        tiny_model_dir, tmp_path):
+    trainer = Trainer(make_config(tiny_model_dir, tmp_path), tiny_model_dir)
+    samples, _ = prepare_samples([synthetic_group("ck", [1.0, 0.0], tokens=5)],
+                                 AdvantageNorm.GROUP_STD)
+    trainer.train_step(samples, version=0)
+    state = trainer.state_dict(step=1, ledger={"ck:0:1": 1}, counters={"trained_groups": 1})
+    path = ckpt.save_model_checkpoint(tmp_path / "v1", model=trainer.model,
+                                      tokenizer_src=tiny_model_dir, version=1,
+                                      trainer_state=state)
+    moments = sum(p.numel() for p in trainer.model.parameters()) * 2 * 4  # float32 x 2
+    assert (path / ckpt.OPTIMIZER_TENSORS).stat().st_size >= moments
+    assert (path / ckpt.TRAINER_STATE).stat().st_size < moments / 20
+    loaded = ckpt.load_trainer_state(path)
+    want, got = state["optimizer"], loaded["optimizer"]
+    assert got["param_groups"] == want["param_groups"] and loaded["ledger"] == {"ck:0:1": 1}
+    assert got["state"].keys() == want["state"].keys()
+    for index, slots in want["state"].items():
+        assert slots.keys() == got["state"][index].keys()
+        assert all(torch.equal(value, got["state"][index][name]) for name, value in slots.items())
+    resumed = Trainer(make_config(tiny_model_dir, tmp_path), path, loaded)
+    resumed.train_step(samples, version=1)
+    trainer.train_step(samples, version=1)  # the step after, from memory and from disk
+    assert all(torch.equal(a, b) for a, b in zip(resumed.model.parameters(),
+                                                 trainer.model.parameters(), strict=True))
+
+
 def test_bf16_autocast_keeps_float32_weights_and_float32_logprobs_near_fp32(
         tiny_model_dir, tmp_path):
     group = synthetic_group("ac", [1.0, 0.0], tokens=6)
