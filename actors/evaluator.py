@@ -33,9 +33,8 @@ the regression guard that rolls a bad version back.
 from __future__ import annotations
 
 import functools
-import os
+import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -56,7 +55,7 @@ from reinforge.rl.scoring import DomainScore, answer_signature, drop_test, score
 from reinforge.core import paths, subjects
 from reinforge.core.actor import Actor, Input
 from reinforge.core.atomic import write_json_atomic
-from reinforge.core.weights import WeightsUnavailable, local_weights
+from reinforge.core.weights import WeightsUnavailable, fetched_weights_dir, local_weights
 from reinforge.core.messages import EvalStats, Rollback, Task, WeightsPublished, decode
 from reinforge.engine.tokenizer import load_tokenizer
 from reinforge.envs.domain import TaskSpec
@@ -413,6 +412,7 @@ class Evaluator(Actor):
         self.client: Any = None
         self.tokenizer: Any = None
         self.served_version: int | None = None
+        self.fetched = fetched_weights_dir("eval")
         self.last_scores: dict[str, DomainScore] = {}
         self.skipped_versions = 0
 
@@ -488,6 +488,7 @@ class Evaluator(Actor):
             await self.client.aclose()
         if self.server is not None:
             await trio.to_thread.run_sync(self.server.stop)
+        shutil.rmtree(self.fetched, ignore_errors=True)
 
     async def on_weights(self, msg: WeightsPublished | Rollback) -> None:
         cfg: EvaluatorConfig = self.config
@@ -572,8 +573,7 @@ class Evaluator(Actor):
         if msg.store and not Path(msg.path).is_dir():  # not this host's disk: fetch it
             try:
                 local = await local_weights(self.ctx.bus, msg.path, msg.store, msg.version,
-                                            Path(tempfile.gettempdir()) / f"rf-eval-weights-"
-                                            f"{self.ctx.run}-{os.getpid()}")
+                                            self.fetched)
             except WeightsUnavailable as exc:
                 raise gone from exc
             msg = msgspec.structs.replace(msg, path=local)

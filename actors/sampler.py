@@ -36,9 +36,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -56,7 +54,7 @@ from reinforge.rl.prompts import task_prompt_ids
 from reinforge.rollout.server import BACKENDS, ServerProcess, ServerSpec
 from reinforge.envs.sandbox.owned import hold_sandbox_runner, sandbox_labels
 from reinforge.core import paths, subjects
-from reinforge.core.weights import local_weights
+from reinforge.core.weights import fetched_weights_dir, local_weights
 from reinforge.core.cluster import RUN_DEFAULTS
 from reinforge.engine.tokenizer import load_tokenizer
 from reinforge.core.actor import Actor, Input, Reject, Retry
@@ -230,7 +228,7 @@ class SamplerActor(Actor):
         self.weight_load_errors = 0
         self.last_weight_error = ""
         self.started = time.monotonic()
-        self._tmp = tempfile.mkdtemp(prefix="rf-sampler-")
+        self._fetched = fetched_weights_dir("sampler")
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -331,7 +329,7 @@ class SamplerActor(Actor):
             await self.client.aclose()
         if self.server is not None:
             await trio.to_thread.run_sync(self.server.stop)
-        shutil.rmtree(self._tmp, ignore_errors=True)  # weights fetched from another host
+        shutil.rmtree(self._fetched, ignore_errors=True)
 
     async def _poll_weights(self) -> None:
         while True:
@@ -389,8 +387,7 @@ class SamplerActor(Actor):
             assert self.client is not None
             with self.ctx.waiting(f"fetching weights v{version}", deadline_s=600):
                 # this host may not have the learner's disk: then from the object store
-                path = await local_weights(self.ctx.bus, path, store, version,
-                                           Path(self._tmp) / "weights")
+                path = await local_weights(self.ctx.bus, path, store, version, self._fetched)
             with self.ctx.waiting(f"rollout server loading weights v{version}", deadline_s=600):
                 await self.client.update_weights_from_disk(path, weight_version=str(version))
                 served = await self.client.weight_version()

@@ -97,6 +97,16 @@ async def fetch_version(bus: Any, bucket: str, version: int, dest: str | Path) -
     return dest
 
 
+def fetched_weights_dir(owner: str) -> Path:
+    """Where one process (a sampler's, an evaluator's) keeps the versions it fetched: a
+    folder of its own under the temp dir, named but not made (`local_weights` makes it on a
+    host that fetches; on the learner's host nothing is fetched). Its owner removes it on
+    close; the random part keeps a later process with a reused pid off stale versions."""
+    import uuid
+
+    return Path(tempfile.gettempdir()) / f"rf-{owner}-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
 async def local_weights(bus: Any, path: str, store: str, version: int,
                         cache_dir: str | Path) -> str:
     """A local directory with the weights of `version`: `path` when it is on this host's

@@ -453,10 +453,15 @@ def test_a_version_pruned_before_its_turn_is_skipped_and_counted_not_retried(
 
 @pytest.mark.nats
 def test_an_evaluator_without_the_checkpoint_on_its_disk_scores_the_version_from_the_store(
-        creds, run_name, tmp_path, tiny_model_dir):
+        creds, run_name, tmp_path, tiny_model_dir, monkeypatch):
     import shutil
+    import tempfile
 
     from reinforge.core.weights import put_version
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
 
     v1 = tmp_path / "v1"
     shutil.copytree(tiny_model_dir, v1)
@@ -488,6 +493,7 @@ def test_an_evaluator_without_the_checkpoint_on_its_disk_scores_the_version_from
     beat = trio.run(main)
     assert (beat.figures["evaluated_versions"], beat.figures["skipped_versions"]) == (1.0, 0.0)
     assert json.loads((tmp_path / "ev.json").read_text())["evaluated"] == [f"1:{v1}"]
+    assert list(scratch.iterdir()) == []  # the fetched version went with the evaluator
 
 
 def _prune_v1_while_the_eval_server_starts(creds, run_name, tmp_path, model_dir, **config):

@@ -414,9 +414,18 @@ def test_a_sampler_started_late_loads_the_newest_stored_version_and_follows_a_ro
 @pytest.mark.nats
 @pytest.mark.slow
 def test_a_sampler_without_the_checkpoint_on_its_disk_fetches_the_version_from_the_store(
-    creds, run_name, tiny_model_dir, tmp_path
+    creds, run_name, tiny_model_dir, tmp_path, monkeypatch
 ):
+    import tempfile
+
     from reinforge.core.weights import put_version
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+
+    def fetched() -> list[str]:
+        return sorted(str(p.relative_to(scratch)) for p in scratch.glob("rf-sampler-*/*"))
 
     v1 = perturbed_copy(tiny_model_dir, tmp_path / "v1", seed=1)
     cfg = SamplerConfig(model_path=str(tiny_model_dir), temperature=0.0, max_new_tokens=4,
@@ -430,17 +439,23 @@ def test_a_sampler_without_the_checkpoint_on_its_disk_fetches_the_version_from_t
             await nursery.start(functools.partial(
                 run_actor, SamplerActor, creds=creds, run=run_name, config=cfg,
                 runtime=RuntimeConfig(heartbeat_s=0.3)))
+            nothing_fetched_yet = sorted(scratch.glob("rf-sampler-*"))  # not even a folder
             await bus.publish_durable(subjects.weights(run_name), m.WeightsPublished(
                 version=1, path=str(v1), store=bucket), msg_id="weights:1")
             await wait_for_figure(bus, run_name, "policy_version", 1.0, 120)
+            fetched_while_running = fetched()
             (task,) = math_tasks("far", 1, 1)
             await bus.publish_durable(subjects.task(run_name, "math"), task, msg_id="far")
             got = await collect_rollouts(bus, run_name, {"far0:0:1"}, timeout_s=120,
                                          group="far")
             nursery.cancel_scope.cancel()
-        return got
+        return got, nothing_fetched_yet, fetched_while_running
 
-    assert trio.run(main)["far0:0:1"].policy_version == 1
+    got, before, during = trio.run(main)
+    assert got["far0:0:1"].policy_version == 1
+    # the folder for fetched versions exists only once one is fetched, and goes on close
+    assert before == [] and len(during) == 1 and during[0].endswith("/v1")
+    assert fetched() == []
 
 
 @pytest.mark.nats
