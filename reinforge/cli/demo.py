@@ -30,13 +30,14 @@ DEFAULT_DOMAINS = "math"
 # What the policy starts from sets the warm start and the step size: the tiny policies
 # (`--model tiny|wide`, made here from scratch) learn the answer format from 150 SFT steps at
 # 1e-3 and RL at 1e-4; a pretrained model needs only its format (40 steps, gently) and small
-# RL steps over more samples: one AdamW step at 1e-5 already moves a failing answer's
-# logprob by nats, so at 2e-5 and above each version's noise undoes the last one's signal.
+# RL steps over more samples: its answers are sharp, so one large step on a batch this small
+# moves whole answers' logprobs, and the next batch's noise undoes it (in our runs held-out
+# pass@1 fell at 2e-5 and above; `--learning-rate` tries another).
 TINY_SFT_STEPS, TINY_LEARNING_RATE, TINY_MINUTES, TINY_GROUPS_PER_VERSION = 150, 1e-4, 10.0, 2
 PRETRAINED_SFT_STEPS, PRETRAINED_LEARNING_RATE, PRETRAINED_MINUTES = 40, 3e-6, 20.0
-PRETRAINED_GROUPS_PER_VERSION = 4
 """A 135 M-parameter learner step takes seconds on 2 cores: ten minutes (download, SFT and
 two evaluations included) leave about 30 versions, too few for a clear held-out change."""
+PRETRAINED_GROUPS_PER_VERSION = 4
 PRETRAINED_SFT_LR = 2e-5
 """The SFT warm start's learning rate for a pretrained model (the tiny policy's, 1e-3, would
 undo what pretraining taught)."""
@@ -67,6 +68,21 @@ SUITE_CONTAMINATION_OVERLAP = 0.95
 SUITE_MAX_SAMPLE_S = 0.5  # a family slower to make one task stalls the scheduler (sokoban: 9 s)
 SUITE_EVAL_TASKS_PER_TIER = 4
 SUITE_GUARD_DOMAINS_PER_VERSION = 10
+
+
+def with_policy_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with each policy-dependent setting left unset (None) at its default for
+    `--model`: a tiny policy made here from scratch, or a pretrained one."""
+    tiny = getattr(args, "model", DEFAULT_MODEL) in ("tiny", "wide")
+    defaults = {
+        "minutes": (TINY_MINUTES, PRETRAINED_MINUTES),
+        "sft_steps": (TINY_SFT_STEPS, PRETRAINED_SFT_STEPS),
+        "learning_rate": (TINY_LEARNING_RATE, PRETRAINED_LEARNING_RATE),
+        "groups_per_version": (TINY_GROUPS_PER_VERSION, PRETRAINED_GROUPS_PER_VERSION),
+    }
+    unset = {k: v[0] if tiny else v[1] for k, v in defaults.items()
+             if getattr(args, k, None) is None}
+    return argparse.Namespace(**{**vars(args), **unset})
 
 
 def register(subparsers: Any) -> None:
@@ -262,6 +278,7 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
     those held-out tasks and rolls back a version that falls below its floor."""
     from reinforge.envs.domain import DomainRegistry
 
+    args = with_policy_defaults(args)
     mix = ", ".join(f"{json.dumps(d)} = 1.0" for d in domains)
     dlist = ", ".join(json.dumps(d) for d in domains)
     new_tokens = max_new_tokens(domains)
@@ -286,7 +303,7 @@ config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], k = 2, eve
 [run]
 name = "{run}"
 group_size = {args.group_size}
-groups_per_version = {args.groups_per_version or PRETRAINED_GROUPS_PER_VERSION}
+groups_per_version = {args.groups_per_version}
 max_staleness = {max_staleness}
 temperature = 1.0
 heldout = {{ {held} }}
@@ -308,7 +325,7 @@ config = {{ domains = [{dlist}], sandbox_pool_size = {SANDBOX_POOL_SIZE} }}
 
 [[actors]]
 spec = "reinforge.actors.learner:Learner"
-config = {{ model = {json.dumps(str(sft))}, checkpoint_dir = {json.dumps(str(ckpt))}, learning_rate = {args.learning_rate or TINY_LEARNING_RATE}, tis_cap = {args.tis_cap}, kl_coef = {args.kl_coef}, torch_threads = 1, keep_last = 2, keep_every = {args.guard_every if guard is not None else 0}{lora} }}
+config = {{ model = {json.dumps(str(sft))}, checkpoint_dir = {json.dumps(str(ckpt))}, learning_rate = {args.learning_rate}, tis_cap = {args.tis_cap}, kl_coef = {args.kl_coef}, torch_threads = 1, keep_last = 2, keep_every = {args.guard_every if guard is not None else 0}{lora} }}
 
 [[actors]]
 spec = "reinforge.actors.monitor:Monitor"
@@ -357,7 +374,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     t0 = time.time()
     from_scratch = args.model in ("tiny", "wide")
-    budget_s = 60 * (args.minutes or (TINY_MINUTES if from_scratch else PRETRAINED_MINUTES))
+    args = with_policy_defaults(args)
+    budget_s = 60 * args.minutes
     tiers: list[int] | None = None
     if args.eval_tiers:
         try:
@@ -366,15 +384,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
             raise UserError(f"--eval-tiers {args.eval_tiers!r}: give tiers as numbers, "
                             "e.g. 0,1") from None
     model = None if from_scratch else start_model(args.model)
-    sft_steps = args.sft_steps if args.sft_steps is not None else (
-        TINY_SFT_STEPS if from_scratch else PRETRAINED_SFT_STEPS)
+    sft_steps = args.sft_steps
     if args.lora_rank < 0:
         raise UserError(f"--lora-rank must be >= 0 (0: no LoRA), got {args.lora_rank}")
-    if args.learning_rate is None:
-        args.learning_rate = TINY_LEARNING_RATE if from_scratch else PRETRAINED_LEARNING_RATE
-    if args.groups_per_version is None:
-        args.groups_per_version = (TINY_GROUPS_PER_VERSION if from_scratch
-                                   else PRETRAINED_GROUPS_PER_VERSION)
     left_out: dict[str, str] = {}
     if args.suite:
         domains, sft_domains, left_out = suite_domains()

@@ -229,6 +229,30 @@ def test_the_demos_kl_coefficient_and_lora_rank_reach_the_learners_config(tmp_pa
     assert learner.config["lora"] == {"r": 8, "alpha": 16.0}
 
 
+def test_the_policys_defaults_reach_the_learner_from_the_command_line_as_parsed(tmp_path):
+    """A config written from the parsed command line (as `reinforge demo` and the benches
+    do) takes each unset setting from one table: the tiny policy's or a pretrained one's."""
+    import argparse
+
+    from reinforge.cli import demo
+    from reinforge.core.cluster import load_cluster_config
+
+    parser = argparse.ArgumentParser(prog="reinforge")
+    demo.register(parser.add_subparsers(dest="command"))
+    config = tmp_path / "demo.toml"
+    for argv, lr, groups in (
+            (["demo", "--model", "tiny"], demo.TINY_LEARNING_RATE, demo.TINY_GROUPS_PER_VERSION),
+            (["demo"], demo.PRETRAINED_LEARNING_RATE, demo.PRETRAINED_GROUPS_PER_VERSION),
+            (["demo", "--model", "wide", "--learning-rate", "0.5", "--groups-per-version", "3"],
+             0.5, 3)):
+        args = parser.parse_args(argv)
+        config.write_text(demo.cluster_config("p", tmp_path, tmp_path / "sft", ["math"], args))
+        loaded = load_cluster_config(config)
+        learner, = [a for a in loaded.actors if a.spec.endswith(":Learner")]
+        assert (learner.config["learning_rate"], loaded.run.groups_per_version) == (lr, groups)
+    assert demo.TINY_GROUPS_PER_VERSION != demo.PRETRAINED_GROUPS_PER_VERSION
+
+
 def test_a_demo_of_tool_domains_gives_its_sampler_a_sandbox_and_turns_long_enough_for_a_call(
         tmp_path):
     import argparse
