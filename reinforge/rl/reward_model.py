@@ -52,23 +52,19 @@ class Graded(msgspec.Struct, frozen=True):
     score: float
 
 
-class RMConfig(msgspec.Struct, frozen=True, kw_only=True):
-    model: str
-    out: str
+class RMConfig(ckpt.TrainingJob, frozen=True, kw_only=True):
     data: str = ""
     """JSONL of pairs or graded rows; "" = `synthetic` generated pairs."""
     synthetic: int = 2000
     held_out: float = 0.1
     steps: int = 300
-    batch_size: int = 16
     learning_rate: float = 3e-4
     max_len: int = 256
-    seed: int = 0
-    torch_threads: int = 2
 
     def __post_init__(self) -> None:
-        if not 0 < self.held_out < 1 or self.steps < 1 or self.batch_size < 1:
-            raise ValueError("rm: need 0 < held_out < 1, steps >= 1 and batch_size >= 1")
+        super().__post_init__()
+        if not 0 < self.held_out < 1:
+            raise ValueError(f"RMConfig: held_out must be in (0, 1), got {self.held_out}")
 
 
 def synthetic_pairs(seed: int, n: int) -> list[Pair]:

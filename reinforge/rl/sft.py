@@ -29,11 +29,7 @@ from reinforge.rl.prompts import observation_ids, task_prompt_ids
 SFT_FORMAT = "reinforge-sft/2"  # 2: prompts through the chat template, as RL sees them
 
 
-class SFTConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    model: str
-    """Hugging Face-format directory of the starting model."""
-    out: str
-    """Output directory (written atomically; replaced when the inputs changed)."""
+class SFTConfig(ckpt.TrainingJob, frozen=True, kw_only=True, forbid_unknown_fields=True):
     domains: tuple[str, ...] = ("math",)
     """Domains whose reference completions are the demonstrations (ignored with `jsonl`)."""
     tiers: tuple[int, ...] = (0,)
@@ -42,13 +38,6 @@ class SFTConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """A JSONL file of {"prompt", "response"} rows instead of the domains."""
     num_examples: int = 256
     """Demonstrations drawn from the domains."""
-    steps: int = 200
-    batch_size: int = 16
-    learning_rate: float = 1e-3
-    max_len: int = 512
-    """Longer examples are dropped (counted)."""
-    seed: int = 0
-    torch_threads: int = 2
     chat_template: bool = True
     """Format prompts with the tokenizer's chat template (as the sampler's `chat_template`)."""
     heldout: HeldOutConfig | None = None
@@ -56,11 +45,9 @@ class SFTConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     (else the evaluation before RL scores what SFT memorised)."""
 
     def __post_init__(self) -> None:
-        for name in ("num_examples", "steps", "batch_size", "max_len", "torch_threads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"sft: {name} must be >= 1, got {getattr(self, name)}")
-        if self.learning_rate <= 0:
-            raise ValueError(f"sft: learning_rate must be > 0, got {self.learning_rate}")
+        super().__post_init__()
+        if self.num_examples < 1:
+            raise ValueError(f"SFTConfig: num_examples must be >= 1, got {self.num_examples}")
 
 
 class Demo(msgspec.Struct, frozen=True):

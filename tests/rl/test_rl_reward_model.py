@@ -66,3 +66,15 @@ def test_graded_rows_train_a_pointwise_scorer(tiny_model_dir, tmp_path):
                    held_out=0.25, steps=300, batch_size=8, learning_rate=3e-4, torch_threads=1)
     result = train_reward_model(cfg)
     assert result["kind"] == "graded" and result["held_out_mae"] < 0.45  # a constant: 0.5
+
+
+def test_sft_and_reward_model_training_check_their_shared_settings_alike():
+    from reinforge.rl.sft import SFTConfig
+
+    for job in (SFTConfig, RMConfig):
+        with pytest.raises(ValueError, match=f"{job.__name__}: learning_rate must be > 0"):
+            job(model="m", out="o", learning_rate=0.0)
+        with pytest.raises(ValueError, match=f"{job.__name__}: max_len must be >= 1, got 0"):
+            job(model="m", out="o", max_len=0)
+    with pytest.raises(ValueError, match="RMConfig: held_out must be in"):
+        RMConfig(model="m", out="o", held_out=1.0)
