@@ -3,9 +3,9 @@
 Layout: `<root>/v<version>/` holds what `save_pretrained` writes (config.json,
 model.safetensors, generation_config.json), the tokenizer files copied from the model the
 run started from, `trainer_state.pt` (optimizer, step, rng, the ledger of consumed rollouts)
-with the optimizer's per-parameter tensors in `optimizer/state.safetensors` (written at
-disk speed: torch.save's zip writer takes seconds for a 135 M model's AdamW moments), and,
-written last, `reinforge_manifest.json` naming every file with its size.
+with the optimizer's per-parameter tensors in `optimizer/state.safetensors` (a subfolder:
+only the learner resumes from them, and the weights store ships a version's top-level files
+alone), and, written last, `reinforge_manifest.json` naming every file with its size.
 
 Atomicity: everything is written into `<root>/.tmp-v<version>-<random>/`, each file is
 fsynced, the manifest is written and fsynced last, then the directory is renamed to

@@ -79,7 +79,6 @@ def prompt_group_logprobs(
     output_ids: list[list[int]],
     *,
     temperature: float = 1.0,
-    pad_id: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sequence_logprobs` of outputs that share one prompt (a GRPO group's samples differ
     only after it): the prompt passes through the model once and its keys and values serve
@@ -92,7 +91,8 @@ def prompt_group_logprobs(
     head = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True,
                  logits_to_keep=1)
     targets = padded(output_ids, t_out, torch.long).to(device)
-    logits = head.logits[:, -1:].expand(g, 1, -1)  # predicts every output's first token
+    # predicts every output's first token (none when every output is empty)
+    logits = head.logits[:, -1:].expand(g, 1, -1)[:, :t_out]
     if t_out > 1:
         name = cache_argument(model)
         cache = getattr(head, name)
@@ -305,11 +305,11 @@ class Trainer:
 
     def _sequence_logprobs(self, model: Any, mb: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """`mb`'s output logprobs under `model` (the policy or the reference) and their mask."""
-        kw = {"temperature": self.cfg.temperature, "pad_id": self.pad_id}
+        outputs, temperature = [s.output_ids for s in mb], self.cfg.temperature
         if self.share_prompts and len(mb) > 1:
-            return prompt_group_logprobs(model, mb[0].prompt_ids, [s.output_ids for s in mb], **kw)
-        return sequence_logprobs(model, [s.prompt_ids for s in mb], [s.output_ids for s in mb],
-                                 **kw)
+            return prompt_group_logprobs(model, mb[0].prompt_ids, outputs, temperature=temperature)
+        return sequence_logprobs(model, [s.prompt_ids for s in mb], outputs,
+                                 temperature=temperature, pad_id=self.pad_id)
 
     def logprobs(self, samples: list[Any]) -> list[torch.Tensor]:
         """The policy's logprobs of each sample's output tokens now (no gradient)."""

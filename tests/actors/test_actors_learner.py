@@ -281,10 +281,10 @@ def test_a_shared_prompt_forward_gives_each_output_the_logprobs_and_gradient_of_
     torch.manual_seed(0)
     model = load_policy(tiny_model_dir).train()
     prompt = torch.randint(5, 400, (11,)).tolist()
-    outputs = [torch.randint(5, 400, (n,)).tolist() for n in (6, 1, 9, 3)]
+    outputs = [torch.randint(5, 400, (n,)).tolist() for n in (6, 1, 9, 3, 0)]
     weights = torch.arange(1.0, 10.0)  # a loss that weighs every position differently
     results = []
-    for forward in (lambda: sequence_logprobs(model, [prompt] * 4, outputs),
+    for forward in (lambda: sequence_logprobs(model, [prompt] * 5, outputs),
                     lambda: prompt_group_logprobs(model, prompt, outputs)):
         model.zero_grad(set_to_none=True)
         logp, mask = forward()
@@ -292,12 +292,14 @@ def test_a_shared_prompt_forward_gives_each_output_the_logprobs_and_gradient_of_
         results.append((logp.detach(), mask, [p.grad.clone() for p in model.parameters()]))
     (each, each_mask, each_grad), (shared, shared_mask, shared_grad) = results
     assert torch.equal(each_mask, shared_mask)
-    assert each_mask.sum(dim=1).tolist() == [6, 1, 9, 3]
+    assert each_mask.sum(dim=1).tolist() == [6, 1, 9, 3, 0]
     assert torch.allclose(each, shared, atol=1e-5)
     # float32 sums in another order: each tensor agrees to 1e-5 of its largest entry
     assert all(float((a - b).abs().max()) <= 1e-5 * float(a.abs().max())
                for a, b in zip(each_grad, shared_grad, strict=True))
     assert any(bool(g.abs().sum() > 0) for g in shared_grad)
+    with torch.no_grad():  # a group whose every output is empty has nothing to score
+        assert prompt_group_logprobs(model, prompt, [[], []])[0].shape == (2, 0)
 
 
 def test_the_gradient_is_the_same_whatever_the_micro_batches(tiny_model_dir, tmp_path):
