@@ -3,8 +3,9 @@ default) against every sample run as its own padded sequence, same policy and ba
 
 The batch has `reinforge demo`'s shape: 4 groups of 4 samples, a 48-token prompt per group
 (the math domain's prompts under a chat template are 45 to 60), outputs of 8 to 96 tokens
-with a median near 26 (what the demo's policy writes). Each variant is one `Trainer` (fp32,
-one torch thread, on the CPU) stepping the same batch; the two alternate step by step, so
+with a median near 28 (the demo's policy writes about 27 on average; how widely they spread,
+which sets how much the padded path pads, was not measured). Each variant is one `Trainer`
+(fp32, one torch thread, on the CPU) stepping the same batch; the two alternate step by step, so
 machine noise falls on both, and each's step time is the median after a warm-up step. Also
 reported: the largest gap between the two variants' logprobs of the batch (they compute the
 same function; float32 rounding only), and one AdamW step over the policy's parameters with
