@@ -4,13 +4,15 @@ Dataflow: durable `rl.<run>.scored.*` (manual ack) -> `GroupBuffer` (by task_id 
 `group_size` samples arrived) -> batches of `groups_per_version` groups with signal ->
 `Trainer.train_step` (in a worker thread) -> atomic checkpoint `v<version>` (weights,
 optimizer, step, rng, ledger) -> `WeightsPublished` on `rl.<run>.weights` -> ack of the
-batch's deliveries -> `TrainStats` on `rl.<run>.stats.learner`.
+batch's deliveries -> `TrainStats` on `rl.<run>.stats.learner`. The checkpoint is written
+from a copy while the next batch is gathered and trained (`overlap_checkpoints`); at most
+one is in flight.
 
 Invariants:
   * A delivery is acked only after the checkpoint that records it in the ledger committed,
     or, for groups that are dropped (too stale) or skipped (no signal), once the decision is
     written to the decision journal (fsynced); such groups join the ledger saved with the
-    next checkpoint, which clears the journal. Nothing is ever trained on twice.
+    next checkpoint, which clears the lines it holds. Nothing is ever trained on twice.
   * On restart the learner loads the newest complete checkpoint and replays the journal; a
     redelivered rollout already in the ledger, or of a task already decided, is acked and
     skipped.
@@ -46,6 +48,7 @@ from reinforge.rl.curriculum import group_has_signal
 from reinforge.rl.grpo import AdvantageNorm, is_too_stale, segment_staleness, staleness
 from reinforge.rl.samples import prepare_samples, sample_is_valid
 from reinforge.core import paths, subjects
+from reinforge.core.atomic import fsync_path
 from reinforge.core.weights import delete_versions, put_version
 from reinforge.core.cluster import RUN_DEFAULTS
 from reinforge.core.actor import Actor, Input, Ticket, ack_all
@@ -155,6 +158,11 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Also keep the two newest versions that are multiples of this: set it to the
     evaluator's `every_versions`, which loads a version after the learner moved on and rolls
     back to an earlier one (0: none)."""
+    overlap_checkpoints: bool = True
+    """Write version N's checkpoint while step N+1 gathers and computes, from a copy of
+    the weights and optimizer state in host memory (about three times the policy's float32
+    size, held during the write); its weights are announced, and its rollouts acked, once it
+    committed. Off: each step waits for its own checkpoint."""
     torch_threads: int = 2
     ack_wait_s: float = 120.0
     """JetStream ack wait for held deliveries; a keep-alive renews it every third of it."""
@@ -309,10 +317,30 @@ def train_stats(version: int, step: int, figures: dict[str, float]) -> TrainStat
                       **typed)
 
 
+@dataclass
+class Commit:
+    """A trained batch on its way to disk: what its checkpoint holds, and what waits for it."""
+
+    version: int
+    step: int
+    batch: list[Group]
+    model: Any
+    weights: dict[str, Any] | None
+    """Copies of the weights to write; None: the model's own (written before the next step)."""
+    state: dict[str, Any]
+    sealed: list[Path]
+    """The decision journal's lines `state` holds: cleared once the checkpoint committed."""
+    figures: dict[str, float]
+
+
 class DecisionJournal:
     """Groups dropped since the last checkpoint (task, reason, rollout ids), one JSON line
     each, fsynced before their deliveries are acked: a drop is never known only in memory.
-    Cleared once a checkpoint holds them; replaying it twice changes nothing."""
+    Replaying it twice changes nothing.
+
+    A checkpoint is written while the next batch is gathered, so drops keep coming during
+    the write: `seal()` (when the checkpoint's state is taken) moves the lines so far aside,
+    and only those are cleared once it committed."""
 
     NAME = "decisions.jsonl"
 
@@ -327,22 +355,38 @@ class DecisionJournal:
             f.flush()
             os.fsync(f.fileno())
 
+    def _sealed(self) -> list[Path]:
+        """Oldest first; more than one only after a crash between a seal and its clear."""
+        return sorted(self.path.parent.glob(f"{self.path.stem}.sealed-*{self.path.suffix}"))
+
+    def seal(self) -> list[Path]:
+        """Set aside every line written so far; returns the files to `clear` once a
+        checkpoint that holds them committed."""
+        if self.path.exists():
+            sealed = self.path.with_name(
+                f"{self.path.stem}.sealed-{time.time_ns():020d}{self.path.suffix}")
+            os.rename(self.path, sealed)
+            fsync_path(self.path.parent)
+        return self._sealed()
+
     def read(self) -> list[tuple[str, str, dict[str, int]]]:
-        try:
-            lines = self.path.read_bytes().splitlines()
-        except FileNotFoundError:
-            return []
         out = []
-        for line in lines:
+        for path in [*self._sealed(), self.path]:
             try:
-                task_id, outcome, ids = msgspec.json.decode(line)
-            except (msgspec.DecodeError, ValueError):  # a torn last line: never acked
+                lines = path.read_bytes().splitlines()
+            except FileNotFoundError:
                 continue
-            out.append((task_id, outcome, ids))
+            for line in lines:
+                try:
+                    task_id, outcome, ids = msgspec.json.decode(line)
+                except (msgspec.DecodeError, ValueError):  # a torn last line: never acked
+                    continue
+                out.append((task_id, outcome, ids))
         return out
 
-    def clear(self) -> None:
-        self.path.unlink(missing_ok=True)
+    def clear(self, sealed: list[Path]) -> None:
+        for path in sealed:
+            path.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------- rollbacks
@@ -386,7 +430,11 @@ class Learner(Actor):
         self.step = 0
         self.counters: collections.Counter[str] = collections.Counter()
         self._ready = trio.Event()
-        self._in_flight: list[Group] = []
+        self._in_flight: dict[int, list[Group]] = {}
+        """Batches trained or being trained into a version whose checkpoint has not
+        committed, by that version: their deliveries are held, and kept alive."""
+        self._committing: trio.Event | None = None
+        self._commit_failed = False
         self._rollback: tuple[Rollback, Ticket] | None = None
         self.rollbacks_applied: list[str] = []
         """`rollback_key` of every Rollback applied (saved in checkpoints)."""
@@ -438,7 +486,7 @@ class Learner(Actor):
             lambda: Trainer(cfg, source, state, reference_dir=cfg.reference_model or cfg.model)
         )
         if latest is not None:  # a crash may have cut off the announcement: say it again
-            await self._publish_weights(self.version, source)
+            await self._publish_weights(self.version, source, self.step)
 
     def figures(self) -> dict[str, float]:
         return {"version": float(self.version), "step": float(self.step),
@@ -477,9 +525,16 @@ class Learner(Actor):
                 wait_s = time.monotonic() - t0
                 with trio.CancelScope(shield=True):  # a batch is applied whole or not at all
                     if batch is None:
+                        await self._committed()
                         await self._apply_rollback()
+                        continue
+                    commit = await self._train(batch, wait_s)
+                    await self._committed()
+                    if self.config.overlap_checkpoints:
+                        self._committing = trio.Event()
+                        nursery.start_soon(self._commit, commit)
                     else:
-                        await self._train_and_commit(batch, wait_s)
+                        await self._commit(commit)
 
     async def _next_batch(self) -> list[Group] | None:
         """Wait for `groups_per_version` usable groups; drop stale ones and skip silent ones.
@@ -534,10 +589,11 @@ class Learner(Actor):
             self.counters["dropped_incomplete_groups"] += 1
             await self._drop(group, Fate.INCOMPLETE)
 
-    async def _decide(self, group: Group, fate: Fate) -> None:
+    async def _decide(self, group: Group, fate: Fate, version: int | None = None) -> None:
         """Tell the run what became of `group` (the scheduler's budget follows this)."""
         await self._publish_decision(GroupDecision(
-            task_id=group.task_id, domain=group.domain, fate=fate, version=self.version,
+            task_id=group.task_id, domain=group.domain, fate=fate,
+            version=self.version if version is None else version,
             signal=has_signal(group), samples=len(group.samples),
             tokens=sum(len(s.rollout.output_ids) for s in group.samples.values())))
 
@@ -555,9 +611,12 @@ class Learner(Actor):
             subjects.decision(self.ctx.run, msg.domain), msg,
             msg_id=f"decision:{msg.task_id}:{msg.fate.value}:{msg.version}")
 
-    async def _train_and_commit(self, batch: list[Group], wait_s: float) -> None:
+    async def _train(self, batch: list[Group], wait_s: float) -> Commit:
+        """One optimizer step on `batch`; the policy in memory becomes the next version, and
+        what its checkpoint will hold is taken (copied when it is written in the background)."""
         cfg: LearnerConfig = self.config
-        self._in_flight = batch
+        version = self.version + 1
+        self._in_flight[version] = batch
         samples, figures = prepare_samples([g.ordered() for g in batch], cfg.advantage_norm)
         stale = [staleness(self.version, s.policy_version) for s in samples]  # oldest segment
         segments = segment_staleness(self.version, [s.rollout.segments() for g in batch
@@ -565,42 +624,74 @@ class Learner(Actor):
         with self.ctx.waiting("GRPO step (compute)"):
             step_figures = await trio.to_thread.run_sync(self.trainer.train_step, samples,
                                                          self.version)
-        version, self.step = self.version + 1, self.step + 1
+        self.version, self.step = version, self.step + 1
         for g in batch:
             self.buffer.consume(g, f"v{version}")
         self.counters["trained_groups"] += len(batch)
-        state = self.trainer.state_dict(step=self.step, ledger=self.buffer.ledger,
-                                        tasks=self.buffer.tasks, counters=dict(self.counters),
-                                        rollbacks_applied=self.rollbacks_applied)
-        t0 = time.monotonic()
-        with self.ctx.waiting("checkpoint write", deadline_s=300):
-            path = await trio.to_thread.run_sync(lambda: ckpt.save_model_checkpoint(
-                ckpt.version_dir(self.root, version), model=self.trainer.export_model(),
-                tokenizer_src=self.tokenizer_src, version=version, step=self.step,
-                trainer_state=state))
-        self.version = version
-        await trio.to_thread.run_sync(self.journal.clear)  # all in the checkpoint now
-        await self._publish_weights(version, path)
-        for g in batch:
-            await self._decide(g, Fate.TRAINED)
-        await ack_all([t for g in batch for t in g.tickets])
-        await trio.to_thread.run_sync(functools.partial(
-            ckpt.prune_checkpoints, self.root, cfg.keep_last, (version,),
-            keep_every=cfg.keep_every))
-        if cfg.publish_weights == "store":  # the store keeps what the disk keeps
-            kept = {v for v, _ in ckpt.list_checkpoints(self.root)}
-            await delete_versions(self.ctx.bus, subjects.weights_bucket(self.ctx.run), kept)
         figures.update(step_figures)
         figures.update({
-            "wait_s": wait_s, "checkpoint_s": time.monotonic() - t0,
-            "staleness_mean": sum(stale) / max(1, len(stale)),
+            "wait_s": wait_s, "staleness_mean": sum(stale) / max(1, len(stale)),
             "staleness_max": float(max(stale, default=0)), **segments,
             "groups": float(len(batch)),
-            **self.buffer.statistics(), **{k: float(v) for k, v in self.counters.items()},
         })
-        self._in_flight = []
-        await self.ctx.publish(subjects.stats(self.ctx.run, "learner"),
-                               train_stats(version, self.step, figures))
+        state_args = dict(step=self.step, ledger=dict(self.buffer.ledger),
+                          tasks=dict(self.buffer.tasks), counters=dict(self.counters),
+                          rollbacks_applied=list(self.rollbacks_applied))
+        sealed = await trio.to_thread.run_sync(self.journal.seal)  # what the state holds
+        if cfg.overlap_checkpoints:
+            with self.ctx.waiting("copying the policy and optimizer state for the checkpoint"):
+                model, weights, state = await trio.to_thread.run_sync(
+                    lambda: self.trainer.snapshot(**state_args))
+        else:
+            model, weights = self.trainer.export_model(), None
+            state = self.trainer.state_dict(**state_args)
+        return Commit(version=version, step=self.step, batch=batch, model=model,
+                      weights=weights, state=state, sealed=sealed, figures=figures)
+
+    async def _committed(self) -> None:
+        """Wait until the checkpoint being written (if any) committed."""
+        if self._committing is not None:
+            await self._committing.wait()
+            self._committing = None
+        if self._commit_failed:
+            raise RuntimeError("learner: a checkpoint failed to commit (its error is above)")
+
+    async def _commit(self, c: Commit) -> None:
+        """Write the checkpoint of `c.version`; then, and only then, announce its weights and
+        settle its batch (decisions, acks), prune old versions and report the step."""
+        cfg: LearnerConfig = self.config
+        try:
+            with trio.CancelScope(shield=True):
+                t0 = time.monotonic()
+                with self.ctx.waiting(f"checkpoint write (v{c.version})", deadline_s=300):
+                    path = await trio.to_thread.run_sync(lambda: ckpt.save_model_checkpoint(
+                        ckpt.version_dir(self.root, c.version), model=c.model,
+                        weights=c.weights, tokenizer_src=self.tokenizer_src,
+                        version=c.version, step=c.step, trainer_state=c.state))
+                checkpoint_s = time.monotonic() - t0
+                await trio.to_thread.run_sync(self.journal.clear, c.sealed)  # in it now
+                await self._publish_weights(c.version, path, c.step)
+                for g in c.batch:
+                    await self._decide(g, Fate.TRAINED, c.version)
+                await ack_all([t for g in c.batch for t in g.tickets])
+                del self._in_flight[c.version]
+                await trio.to_thread.run_sync(functools.partial(
+                    ckpt.prune_checkpoints, self.root, cfg.keep_last, (c.version,),
+                    keep_every=cfg.keep_every))
+                if cfg.publish_weights == "store":  # the store keeps what the disk keeps
+                    kept = {v for v, _ in ckpt.list_checkpoints(self.root)}
+                    await delete_versions(self.ctx.bus, subjects.weights_bucket(self.ctx.run),
+                                          kept)
+                figures = {**c.figures, "checkpoint_s": checkpoint_s, **self.buffer.statistics(),
+                           **{k: float(v) for k, v in self.counters.items()}}
+                await self.ctx.publish(subjects.stats(self.ctx.run, "learner"),
+                                       train_stats(c.version, c.step, figures))
+        except BaseException:
+            self._commit_failed = True
+            raise
+        finally:
+            if self._committing is not None:
+                self._committing.set()
 
     async def _apply_rollback(self) -> None:
         """Return to the checkpoint a Rollback names; see the module's invariants."""
@@ -649,14 +740,14 @@ class Learner(Actor):
             if task_id not in known:
                 self.journal.append(task_id, outcome, ids_by_task.get(task_id, {}))
 
-    async def _publish_weights(self, version: int, path: Path) -> None:
+    async def _publish_weights(self, version: int, path: Path, step: int) -> None:
         store = ""
         if self.config.publish_weights == "store":  # before the message: fetchable once seen
             with self.ctx.waiting(f"putting v{version} into the object store", deadline_s=300):
                 store = await put_version(self.ctx.bus, self.ctx.run, version, path)
         await self.ctx.publish_durable(
             subjects.weights(self.ctx.run),
-            WeightsPublished(version=version, path=str(path), step=self.step, store=store),
+            WeightsPublished(version=version, path=str(path), step=step, store=store),
             msg_id=f"weights:{version}:{ckpt.created_at(path)}",
         )
 
@@ -664,7 +755,8 @@ class Learner(Actor):
         """Tell the server that held deliveries are still being worked on."""
         while True:
             await trio.sleep(self.config.ack_wait_s / 3)
-            held = self.buffer.held_tickets() + [t for g in self._in_flight for t in g.tickets]
+            held = self.buffer.held_tickets() + [t for batch in self._in_flight.values()
+                                                 for g in batch for t in g.tickets]
             if self._rollback is not None:
                 held.append(self._rollback[1])
             for ticket in held:

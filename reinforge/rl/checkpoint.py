@@ -217,12 +217,14 @@ def save_model_checkpoint(
     trainer_state: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
     replace: bool = False,
+    weights: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a Hugging Face-format model (safetensors) plus optional trainer state, atomically."""
+    """Write a Hugging Face-format model (safetensors) plus optional trainer state, atomically.
+    `weights`: the tensors to write in place of the model's own (a snapshot of them)."""
     import torch
 
     def fill(tmp: Path) -> None:
-        model.save_pretrained(str(tmp), safe_serialization=True)
+        model.save_pretrained(str(tmp), safe_serialization=True, state_dict=weights)
         if tokenizer_src is not None:
             copy_tokenizer_files(tokenizer_src, tmp)
         if trainer_state is not None:

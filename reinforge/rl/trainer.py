@@ -240,6 +240,14 @@ class Trainer:
             state["master"] = [m.detach().cpu().clone() for m in self.master]
         return state
 
+    def snapshot(self, **state_args: Any) -> tuple[Any, dict[str, torch.Tensor], dict[str, Any]]:
+        """What a checkpoint of now writes, as copies in host memory: (the model to publish,
+        its weights, `state_dict(**state_args)`). The next `train_step` changes the live
+        tensors in place, so a checkpoint written while it runs must come from copies."""
+        model = self.export_model()
+        return (model, detached_copy(model.state_dict()),
+                detached_copy(self.state_dict(**state_args)))
+
     def train_step(self, samples: list[Any], version: int) -> dict[str, float]:
         """Train on one batch of `samples` (TrainSample-like); returns its figures.
 
@@ -408,6 +416,27 @@ class Trainer:
                     p.copy_(m)
                     p.grad = None
         return norm
+
+
+def detached_copy(obj: Any) -> Any:
+    """`obj` (nested dicts, lists and tuples of tensors and plain values) with every tensor
+    copied to host memory. Tensors that share memory (tied embeddings) share their copy, so
+    a model saved from it keeps its tied weights tied."""
+    copies: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            key = (x.device, x.data_ptr(), x.dtype, tuple(x.shape), x.stride())
+            if key not in copies:
+                copies[key] = x.detach().to("cpu", copy=True)
+            return copies[key]
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(walk(v) for v in x)
+        return x
+
+    return walk(obj)
 
 
 def keep_freed_memory() -> None:

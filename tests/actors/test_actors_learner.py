@@ -372,12 +372,18 @@ def test_bf16_training_steps_float32_masters_and_serves_their_bf16_rounding(
     assert trainer.optimizer.state_dict()["state"].keys() == state["optimizer"]["state"].keys()
 
 
-def test_a_checkpoint_keeps_the_optimizers_moments_in_safetensors_and_gives_them_back_exactly(
-        tiny_model_dir, tmp_path):
-    trainer = Trainer(make_config(tiny_model_dir, tmp_path), tiny_model_dir)
-    samples, _ = prepare_samples([synthetic_group("ck", [1.0, 0.0], tokens=5)],
+def trained_once(model_dir, tmp_path, task_id):
+    """A trainer of the tiny policy after one step on a two-sample group, and that group."""
+    trainer = Trainer(make_config(model_dir, tmp_path), model_dir)
+    samples, _ = prepare_samples([synthetic_group(task_id, [1.0, 0.0], tokens=5)],
                                  AdvantageNorm.GROUP_STD)
     trainer.train_step(samples, version=0)
+    return trainer, samples
+
+
+def test_a_checkpoint_keeps_the_optimizers_moments_in_safetensors_and_gives_them_back_exactly(
+        tiny_model_dir, tmp_path):
+    trainer, samples = trained_once(tiny_model_dir, tmp_path, "ck")
     state = trainer.state_dict(step=1, ledger={"ck:0:1": 1}, counters={"trained_groups": 1})
     path = ckpt.save_model_checkpoint(tmp_path / "v1", model=trainer.model,
                                       tokenizer_src=tiny_model_dir, version=1,
@@ -397,6 +403,49 @@ def test_a_checkpoint_keeps_the_optimizers_moments_in_safetensors_and_gives_them
     trainer.train_step(samples, version=1)  # the step after, from memory and from disk
     assert all(torch.equal(a, b) for a, b in zip(resumed.model.parameters(),
                                                  trainer.model.parameters(), strict=True))
+
+
+def test_a_snapshot_stays_the_policy_it_was_taken_from_and_writes_the_same_checkpoint(
+        tiny_model_dir, tmp_path):
+    trainer, samples = trained_once(tiny_model_dir, tmp_path, "sn")
+    live = ckpt.save_model_checkpoint(tmp_path / "live", model=trainer.model,
+                                      tokenizer_src=None, version=1,
+                                      trainer_state=trainer.state_dict(step=1, ledger={},
+                                                                       counters={}))
+    model, weights, state = trainer.snapshot(step=1, ledger={}, counters={})
+    trainer.train_step(samples, version=1)  # changes the live tensors in place
+    copy = ckpt.save_model_checkpoint(tmp_path / "copy", model=model, weights=weights,
+                                      tokenizer_src=None, version=1, trainer_state=state)
+    from safetensors.torch import load_file
+
+    for name in ("model.safetensors", ckpt.OPTIMIZER_TENSORS):
+        want, got = load_file(live / name), load_file(copy / name)
+        assert want.keys() == got.keys()  # tied weights stay one tensor in the file
+        assert all(torch.equal(want[k], got[k]) for k in want)
+    moved = load_file(copy / "model.safetensors")
+    now = trainer.model.state_dict()
+    assert any(not torch.equal(moved[k], now[k]) for k in moved)  # the step after moved it
+    assert ckpt.load_trainer_state(copy)["rng"].equal(ckpt.load_trainer_state(live)["rng"])
+
+
+def test_a_sealed_journal_clears_only_the_lines_its_checkpoint_holds(tmp_path):
+    journal = DecisionJournal(tmp_path / DecisionJournal.NAME)
+    journal.append("a", "no_signal", {"a:0:1": 0})
+    sealed = journal.seal()  # a checkpoint's state is taken here
+    journal.append("b", "stale", {"b:0:1": 0})  # decided while that checkpoint is written
+    assert [t for t, _, _ in journal.read()] == ["a", "b"]
+    journal.clear(sealed)
+    assert journal.read() == [("b", "stale", {"b:0:1": 0})]
+    # a crash between a seal and its clear: a new learner replays both, and its next
+    # checkpoint's seal hands back both files to clear
+    left = journal.seal()
+    journal.append("c", "no_signal", {"c:0:1": 0})
+    again = DecisionJournal(tmp_path / DecisionJournal.NAME)
+    assert [t for t, _, _ in again.read()] == ["b", "c"]
+    both = again.seal()
+    assert set(left) < set(both) and len(both) == 2
+    again.clear(both)
+    assert again.read() == [] and sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_bf16_autocast_keeps_float32_weights_and_float32_logprobs_near_fp32(
@@ -569,10 +618,12 @@ async def collect_stats(bus, run, out, task_status=trio.TASK_STATUS_IGNORED):
 
 @pytest.mark.nats
 @pytest.mark.slow
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "in-turn"])
 def test_the_learner_publishes_three_versions_from_rollouts_tagged_with_their_version(
-    creds, run_name, tiny_model_dir, tmp_path
+    creds, run_name, tiny_model_dir, tmp_path, overlap
 ):
-    cfg = make_config(tiny_model_dir, tmp_path, max_staleness=0, keep_last=2)
+    cfg = make_config(tiny_model_dir, tmp_path, max_staleness=0, keep_last=2,
+                      overlap_checkpoints=overlap)
     generated: dict[str, int] = {}
     stats: list = []
     weights: list = []
@@ -909,6 +960,50 @@ def test_a_dropped_group_is_journaled_before_its_ack_and_reaches_the_next_checkp
     assert state["tasks"] == {"silent": "no_signal", "useful": "v1"}
     assert set(state["ledger"]) == {s.rollout.rollout_id for s in silent + useful}
     assert journal.read() == []  # cleared once the checkpoint holds it
+
+
+@pytest.mark.nats
+@pytest.mark.slow
+def test_each_checkpoint_holds_what_was_decided_before_its_step_while_the_next_step_runs(
+    creds, run_name, tiny_model_dir, tmp_path
+):
+    # Everything is there at once, so step N+1 gathers (and drops) while N is written.
+    cfg = make_config(tiny_model_dir, tmp_path, groups_per_version=1, max_staleness=10,
+                      keep_last=10)
+    order = [synthetic_group("u1", [1.0, 0.0, 1.0, 0.0], version=0),
+             synthetic_group("s1", [0.0, 0.0, 0.0, 0.0], version=0),
+             synthetic_group("u2", [0.0, 1.0, 1.0, 0.0], version=0),
+             synthetic_group("s2", [1.0, 1.0, 1.0, 1.0], version=0),
+             synthetic_group("u3", [1.0, 0.0, 0.0, 0.0], version=0)]
+    journal = DecisionJournal(Path(cfg.checkpoint_dir) / DecisionJournal.NAME)
+
+    async def main():
+        async with open_bus(creds) as bus, trio.open_nursery() as nursery:
+            stream = await bus.ensure_run_stream(run_name)
+            for group in order:
+                await publish(bus, run_name, group)
+            await nursery.start(functools.partial(run_actor, Learner, creds=creds,
+                                                  run=run_name, config=cfg))
+            await wait_for_version(bus, stream, run_name, 3)
+            durable = subjects.durable_name(run_name, "learner", subjects.scored(run_name, "*"))
+            with trio.fail_after(30):
+                while (await bus.consumer_info(stream, durable)).num_ack_pending:
+                    await trio.sleep(0.2)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    tasks = {v: ckpt.load_trainer_state(path)["tasks"]
+             for v, path in ckpt.list_checkpoints(cfg.checkpoint_dir)}
+    assert sorted(tasks) == [1, 2, 3]
+    for v in (1, 2, 3):  # a checkpoint's state is of its own step, not of a later one
+        assert sorted(o for o in tasks[v].values() if o.startswith("v")) == [
+            f"v{k}" for k in range(1, v + 1)]
+    assert tasks[1].items() <= tasks[2].items() <= tasks[3].items()
+    # A drop is in the newest checkpoint or in the journal, never in both, never in neither
+    # (groups complete in delivery order, so which one is not fixed).
+    journaled = {task for task, _, _ in journal.read()}
+    assert not journaled & set(tasks[3])
+    assert journaled | set(tasks[3]) == {"u1", "s1", "u2", "s2", "u3"}
 
 
 @pytest.mark.nats
