@@ -70,10 +70,15 @@ SUITE_EVAL_TASKS_PER_TIER = 4
 SUITE_GUARD_DOMAINS_PER_VERSION = 10
 
 
+def made_here(model: str) -> bool:
+    """`--model` names a small policy made here from scratch (see `policy_spec`)."""
+    return model in ("tiny", "wide")
+
+
 def with_policy_defaults(args: argparse.Namespace) -> argparse.Namespace:
     """`args` with each policy-dependent setting left unset (None) at its default for
     `--model`: a tiny policy made here from scratch, or a pretrained one."""
-    tiny = getattr(args, "model", DEFAULT_MODEL) in ("tiny", "wide")
+    tiny = made_here(getattr(args, "model", DEFAULT_MODEL))
     defaults = {
         "minutes": (TINY_MINUTES, PRETRAINED_MINUTES),
         "sft_steps": (TINY_SFT_STEPS, PRETRAINED_SFT_STEPS),
@@ -150,8 +155,9 @@ def say(text: str) -> None:
 
 
 def policy_spec(policy: str) -> Any:
-    """The policy sizes: `tiny` (the default, about 4 M parameters) and `wide` (about 8x the
-    compute per token: for benchmarks where training should be a real share of the loop)."""
+    """The sizes of a policy made here: `tiny` (about 4 M parameters) and `wide` (about 8x
+    the compute per token: for benchmarks where training should be a real share of the
+    loop)."""
     from reinforge.engine.tiny import TinyModelSpec
 
     sizes = {
@@ -373,7 +379,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from reinforge.core import paths
 
     t0 = time.time()
-    from_scratch = args.model in ("tiny", "wide")
     args = with_policy_defaults(args)
     budget_s = 60 * args.minutes
     tiers: list[int] | None = None
@@ -383,8 +388,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         except ValueError:
             raise UserError(f"--eval-tiers {args.eval_tiers!r}: give tiers as numbers, "
                             "e.g. 0,1") from None
-    model = None if from_scratch else start_model(args.model)
-    sft_steps = args.sft_steps
+    model = None if made_here(args.model) else start_model(args.model)
     if args.lora_rank < 0:
         raise UserError(f"--lora-rank must be >= 0 (0: no LoRA), got {args.lora_rank}")
     left_out: dict[str, str] = {}
@@ -413,8 +417,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from reinforge.rl.evalsets import HeldOutConfig
 
     heldout = HeldOutConfig(tasks_per_tier=per_tier, tiers=tiers or [])
-    _, sft = ensure_models(home, sft_domains, sft_steps, policy=args.model if from_scratch
-                           else "tiny", model=model, heldout=heldout)
+    _, sft = ensure_models(home, sft_domains, args.sft_steps,
+                           policy=args.model if made_here(args.model) else "tiny", model=model,
+                           heldout=heldout)
     say(f"evaluating the starting checkpoint ({sft.name}) on the held-out sets")
     before = evaluate(sft, domains, eval_k, per_tier, tiers)
     eval_s = before.get("eval_s", 60.0) + 30.0
