@@ -3,6 +3,8 @@
 Inputs (core subscriptions, at most once — the monitor never holds work back):
   * `rl.<run>.scored.*`      ScoredRollout: samples, rewards, outcomes, tiers, tokens;
   * `rl.<run>.weights`       WeightsPublished / Rollback: the policy version;
+  * `rl.<run>.decision.*`    GroupDecision: what the learner did with each group (which
+                             tasks it trained on, which it dropped and why);
   * `rl.<run>.stats.*`       TrainStats, EvalStats (and whatever else decodes; the rest
                              is counted and skipped, never dead-lettered);
   * `ctl.<run>.heartbeat.*`  Heartbeat: per-process CPU, memory, figures, waits.
@@ -10,7 +12,7 @@ Every `snapshot_interval_s` it also reads the run stream's consumers (messages p
 and in flight per durable consumer = the queue depths).
 
 Outputs, under `<run_dir>/metrics/`: `metrics.jsonl` (records of kind start, scored,
-weights, rollback, train, eval, snapshot), TensorBoard scalars in `tb/`, the newest
+decision, weights, rollback, train, eval, snapshot), TensorBoard scalars in `tb/`, the newest
 `snapshot.json`; and `GET /metrics` (Prometheus text) and `GET /snapshot.json` on an HTTP
 port written to `<run_dir>/monitor.json`.
 
@@ -39,6 +41,7 @@ from reinforge.core import paths, subjects
 from reinforge.core.actor import Actor, Input
 from reinforge.core.messages import (
     EvalStats,
+    GroupDecision,
     Heartbeat,
     MessageError,
     Outcome,
@@ -60,7 +63,8 @@ class MonitorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     window_s: float = 60.0
     """Rates, recent reward/pass rate, staleness and tier mix are over this sliding window."""
     log_rollouts: bool = True
-    """Write one JSONL record per scored rollout (the report's reward curves need them)."""
+    """Write one JSONL record per scored rollout and per learner decision on a group (the
+    report's reward curves and the demo's trained tiers need them)."""
     tensorboard: bool = True
     """Write TensorBoard event files under metrics/tb/."""
     target_version: int = 0
@@ -214,6 +218,10 @@ class MonitorState:
             "tokens": tokens, "staleness": staleness, "task_id": r.task_id,
             "purpose": r.purpose,
         }
+
+    def on_decision(self, msg: GroupDecision, now: float) -> dict[str, Any]:
+        return {"t": now, "kind": "decision", "domain": msg.domain, "task_id": msg.task_id,
+                "fate": msg.fate.value, "version": msg.version}
 
     def on_weights(self, msg: WeightsPublished | Rollback, now: float) -> dict[str, Any]:
         if isinstance(msg, Rollback):
@@ -542,6 +550,8 @@ class Monitor(Actor):
                   accepts=(ScoredRollout,), durable=False),
             Input(subject=subjects.weights(run), handler=self.on_weights,
                   accepts=(WeightsPublished, Rollback), durable=False),
+            Input(subject=subjects.decision(run), handler=self.on_decision,
+                  accepts=(GroupDecision,), durable=False),
             Input(subject=subjects.heartbeat(run), handler=self.on_heartbeat,
                   accepts=(Heartbeat,), durable=False),
         ]
@@ -606,6 +616,10 @@ class Monitor(Actor):
 
     async def on_weights(self, msg: WeightsPublished | Rollback) -> None:
         self._write(self.state.on_weights(msg, time.time()))
+
+    async def on_decision(self, msg: GroupDecision) -> None:
+        if self.config.log_rollouts:
+            self._write(self.state.on_decision(msg, time.time()))
 
     async def on_heartbeat(self, msg: Heartbeat) -> None:
         self.state.on_heartbeat(msg, time.time())

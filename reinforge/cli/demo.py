@@ -627,10 +627,14 @@ def heldout_tiers(domains: list[str], tasks_per_tier: int,
 
 
 def trained_tiers(metrics: Path) -> dict[str, set[int]]:
-    """The tiers of each domain the run's training rollouts came from."""
+    """The tiers of each domain the learner trained on: those of the groups it put into an
+    update. A tier only sampled is not one: its groups had no signal (all failed, all
+    passed) or went stale, so nothing of it reached the policy."""
+    tier_of = {(r["domain"], r["task_id"]): r["tier"] for r in training_rollouts(metrics)}
     tiers: dict[str, set[int]] = {}
-    for rec in training_rollouts(metrics):
-        tiers.setdefault(rec["domain"], set()).add(rec["tier"])
+    for rec in metrics_records(metrics, "decision"):
+        if rec["fate"] == "trained" and (rec["domain"], rec["task_id"]) in tier_of:
+            tiers.setdefault(rec["domain"], set()).add(tier_of[rec["domain"], rec["task_id"]])
     return tiers
 
 

@@ -133,11 +133,17 @@ def test_the_demo_knows_the_tier_of_each_held_out_task_and_the_tiers_it_trained(
     assert sorted(tiers["code"].values()) == sorted(list(range(4)) * 2)  # capped at 2
     assert all(t.startswith("heldout-") for t in tiers["math"])
     metrics = tmp_path / "metrics.jsonl"
+    scored = lambda d, tier, task, purpose="train": {
+        "kind": "scored", "domain": d, "tier": tier, "task_id": task, "purpose": purpose}
+    decided = lambda d, task, fate: {"kind": "decision", "domain": d, "task_id": task,
+                                     "fate": fate, "version": 1}
     metrics.write_text("".join(json.dumps(r) + "\n" for r in [
-        {"kind": "scored", "domain": "math", "tier": 0, "purpose": "train"},
-        {"kind": "scored", "domain": "math", "tier": 2, "purpose": "train"},
-        {"kind": "scored", "domain": "math", "tier": 4, "purpose": "eval"},
-        {"kind": "scored", "domain": "code", "tier": 1, "purpose": "train"}]))
+        scored("math", 0, "m0@1"), scored("math", 2, "m2@1"), scored("math", 3, "m3@1"),
+        scored("math", 4, "heldout-m4", "eval"), scored("code", 1, "c1@1"),
+        decided("math", "m0@1", "accepted"), decided("math", "m0@1", "trained"),
+        decided("math", "m2@1", "trained"), decided("math", "m3@1", "no_signal"),
+        decided("code", "c1@1", "trained")]))
+    # tier 3 was sampled, but its only group had no signal: nothing of it was trained
     assert trained_tiers(metrics) == {"math": {0, 2}, "code": {1}}
 
 

@@ -302,6 +302,10 @@ def test_the_monitor_turns_bus_messages_into_jsonl_prometheus_and_tensorboard(
                                             for p in snap["processes"])):
                                 break
                             await trio.sleep(0.1)
+                    jsonl = run_dir / "metrics" / "metrics.jsonl"
+                    with trio.fail_after(30):
+                        while not any(r["kind"] == "decision" for r in mx.read_jsonl(jsonl)):
+                            await trio.sleep(0.1)
                     resp = await trio.to_thread.run_sync(get, f"{url}/metrics")
                     missing = await trio.to_thread.run_sync(get, f"{url}/nothing")
                     await bus.publish(subjects.stop(run_name), m.Stop(reason="test over"))
@@ -341,6 +345,9 @@ def test_the_monitor_turns_bus_messages_into_jsonl_prometheus_and_tensorboard(
     assert set(first_scored) >= {"t", "domain", "tier", "version", "reward", "outcome",
                                  "tokens", "staleness"}
     assert read_snapshot(run_dir).samples_total == 6
+    [decision] = [r for r in records if r["kind"] == "decision"]
+    assert {k: decision[k] for k in ("domain", "task_id", "fate", "version")} == {
+        "domain": "math", "task_id": "math-1", "fate": "trained", "version": 2}
 
     # TensorBoard
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -395,6 +402,8 @@ async def feed_run(bus, run: str) -> None:
                       m.EvalStats(version=3, domain="code", pass_at_1=0.0, pass_at_k=0.0, k=4,
                                   n_tasks=8))
     await bus.publish_raw(subjects.stats(run, "mystery"), b"\x81\xa4type\xa9mystery/9")
+    await bus.publish_durable(subjects.decision(run, "math"), m.GroupDecision(
+        task_id="math-1", domain="math", fate=m.Fate.TRAINED, version=2), "decision:math-1")
     await bus.publish(subjects.heartbeat(run, "sampler-x"),
                       heartbeat("sampler-x", "sampler", cpu=120.0, rss=256 << 20,
                                 figures={"samples_per_s": 1.5, "generations_held": 2.0}))
