@@ -633,6 +633,7 @@ class Learner(Actor):
             "wait_s": wait_s, "staleness_mean": sum(stale) / max(1, len(stale)),
             "staleness_max": float(max(stale, default=0)), **segments,
             "groups": float(len(batch)),
+            **{k: float(v) for k, v in self.counters.items()},  # as of this step
         })
         state_args = dict(step=self.step, ledger=dict(self.buffer.ledger),
                           tasks=dict(self.buffer.tasks), counters=dict(self.counters),
@@ -682,8 +683,8 @@ class Learner(Actor):
                     kept = {v for v, _ in ckpt.list_checkpoints(self.root)}
                     await delete_versions(self.ctx.bus, subjects.weights_bucket(self.ctx.run),
                                           kept)
-                figures = {**c.figures, "checkpoint_s": checkpoint_s, **self.buffer.statistics(),
-                           **{k: float(v) for k, v in self.counters.items()}}
+                figures = {**c.figures, "checkpoint_s": checkpoint_s,
+                           **self.buffer.statistics()}
                 await self.ctx.publish(subjects.stats(self.ctx.run, "learner"),
                                        train_stats(c.version, c.step, figures))
         except BaseException:

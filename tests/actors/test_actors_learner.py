@@ -976,15 +976,20 @@ def test_each_checkpoint_holds_what_was_decided_before_its_step_while_the_next_s
              synthetic_group("s2", [1.0, 1.0, 1.0, 1.0], version=0),
              synthetic_group("u3", [1.0, 0.0, 0.0, 0.0], version=0)]
     journal = DecisionJournal(Path(cfg.checkpoint_dir) / DecisionJournal.NAME)
+    stats: list = []
 
     async def main():
         async with open_bus(creds) as bus, trio.open_nursery() as nursery:
             stream = await bus.ensure_run_stream(run_name)
+            await nursery.start(collect_stats, bus, run_name, stats)
             for group in order:
                 await publish(bus, run_name, group)
             await nursery.start(functools.partial(run_actor, Learner, creds=creds,
                                                   run=run_name, config=cfg))
             await wait_for_version(bus, stream, run_name, 3)
+            with trio.fail_after(10):
+                while len(stats) < 3:
+                    await trio.sleep(0.1)
             durable = subjects.durable_name(run_name, "learner", subjects.scored(run_name, "*"))
             with trio.fail_after(30):
                 while (await bus.consumer_info(stream, durable)).num_ack_pending:
@@ -999,6 +1004,8 @@ def test_each_checkpoint_holds_what_was_decided_before_its_step_while_the_next_s
         assert sorted(o for o in tasks[v].values() if o.startswith("v")) == [
             f"v{k}" for k in range(1, v + 1)]
     assert tasks[1].items() <= tasks[2].items() <= tasks[3].items()
+    # a step's figures are of that step, though they go out after the next one trained
+    assert [(s.version, s.figures["trained_groups"]) for s in stats] == [(1, 1), (2, 2), (3, 3)]
     # A drop is in the newest checkpoint or in the journal, never in both, never in neither
     # (groups complete in delivery order, so which one is not fixed).
     journaled = {task for task, _, _ in journal.read()}
