@@ -609,6 +609,14 @@ async def wait_for_version(bus, stream, run, version, timeout_s=120.0):
             await trio.sleep(0.2)
 
 
+async def all_acked(bus, stream, run, timeout_s):
+    """Wait until the learner holds no scored rollout unacked."""
+    durable = subjects.durable_name(run, "learner", subjects.scored(run, "*"))
+    with trio.fail_after(timeout_s):
+        while (await bus.consumer_info(stream, durable)).num_ack_pending:
+            await trio.sleep(0.2)
+
+
 async def collect_stats(bus, run, out, task_status=trio.TASK_STATUS_IGNORED):
     async with bus.subscribe(subjects.stats(run, "learner")) as sub:
         task_status.started()
@@ -990,10 +998,7 @@ def test_each_checkpoint_holds_what_was_decided_before_its_step_while_the_next_s
             with trio.fail_after(10):
                 while len(stats) < 3:
                     await trio.sleep(0.1)
-            durable = subjects.durable_name(run_name, "learner", subjects.scored(run_name, "*"))
-            with trio.fail_after(30):
-                while (await bus.consumer_info(stream, durable)).num_ack_pending:
-                    await trio.sleep(0.2)
+            await all_acked(bus, stream, run_name, timeout_s=30)
             nursery.cancel_scope.cancel()
 
     trio.run(main)
@@ -1031,10 +1036,7 @@ def test_a_group_that_never_completes_is_dropped_as_incomplete_and_its_deliverie
             with trio.fail_after(30):
                 while not journal.read():
                     await trio.sleep(0.2)
-            durable = subjects.durable_name(run_name, "learner", subjects.scored(run_name, "*"))
-            with trio.fail_after(10):
-                while (await bus.consumer_info(stream, durable)).num_ack_pending:
-                    await trio.sleep(0.2)
+            await all_acked(bus, stream, run_name, timeout_s=10)
             nursery.cancel_scope.cancel()
             return ctx
 
