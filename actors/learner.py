@@ -15,7 +15,8 @@ Invariants:
     next checkpoint, which clears the lines it holds. Nothing is ever trained on twice.
   * On restart the learner loads the newest complete checkpoint and replays the journal; a
     redelivered rollout already in the ledger, or of a task already decided, is acked and
-    skipped.
+    skipped. While a task's group is open (gathered, trained, or in a checkpoint being
+    written) every delivery of that task joins it and is acked with it: one group per task.
   * Version N is the policy after N optimizer steps since the first checkpointless start;
     every published version has a committed checkpoint.
   * Samples with outcome `infra_error` count toward a group's completion but are masked.
@@ -246,24 +247,32 @@ class GroupBuffer:
         checkpoint. A task is decided once: rollouts of a later attempt of it are skipped."""
         self.pending: dict[str, Group] = {}
         self.ready: collections.deque[Group] = collections.deque()
+        self.open: dict[str, Group] = {}
+        """Every group whose deliveries are not acked yet (pending, ready, being trained, or
+        in a checkpoint being written), by task: a later delivery of its task joins it, so a
+        redelivery can neither start a second group of the task nor be acked before the
+        decision that covers it is durable."""
         self.counts: collections.Counter[str] = collections.Counter()
 
     def add(self, scored: ScoredRollout, ticket: Any) -> str:
         """File one delivery; returns "consumed" (ack it now), "duplicate", "added" or
         "completed" (its group just became ready)."""
         r = scored.rollout
-        if r.rollout_id in self.ledger:
-            self.counts["duplicates_skipped"] += 1
-            return "consumed"
-        if r.task_id in self.tasks:  # e.g. a reissued attempt finishing after the first
-            self.counts["decided_task_samples_skipped"] += 1
-            return "consumed"
-        group = self.pending.get(r.task_id)
+        group = self.open.get(r.task_id)
         if group is None:
+            if r.rollout_id in self.ledger:
+                self.counts["duplicates_skipped"] += 1
+                return "consumed"
+            if r.task_id in self.tasks:  # e.g. a reissued attempt finishing after the first
+                self.counts["decided_task_samples_skipped"] += 1
+                return "consumed"
             size = self.group_size or max(1, r.group_size)
-            group = self.pending[r.task_id] = Group(task_id=r.task_id, domain=r.domain,
-                                                    group_size=size)
+            group = Group(task_id=r.task_id, domain=r.domain, group_size=size)
+            self.open[r.task_id] = self.pending[r.task_id] = group
         group.tickets.append(ticket)
+        if self.pending.get(r.task_id) is not group:  # complete or expired: it takes no more
+            self.counts["duplicates_held"] += 1
+            return "duplicate"
         if r.sample_index in group.samples or r.rollout_id in group.rollout_ids:
             group.rollout_ids.setdefault(r.rollout_id, r.policy_version)
             self.counts["duplicates_held"] += 1
@@ -286,6 +295,12 @@ class GroupBuffer:
     def consume(self, group: Group, outcome: str) -> None:
         self.ledger.update(group.rollout_ids)
         self.tasks[group.task_id] = outcome
+
+    def settle(self, group: Group) -> None:
+        """`group`'s decision is durable and its deliveries are about to be acked: later
+        deliveries of its task are acked at once."""
+        if self.open.get(group.task_id) is group:
+            del self.open[group.task_id]
 
     def held_tickets(self) -> list[Any]:
         out = [t for g in self.pending.values() for t in g.tickets]
@@ -581,6 +596,7 @@ class Learner(Actor):
         await trio.to_thread.run_sync(self.journal.append, group.task_id, fate.value,
                                       group.rollout_ids)
         await self._decide(group, fate)
+        self.buffer.settle(group)
         await ack_all(group.tickets)
 
     async def _drop_incomplete(self) -> None:
@@ -674,6 +690,8 @@ class Learner(Actor):
                 await self._publish_weights(c.version, path, c.step)
                 for g in c.batch:
                     await self._decide(g, Fate.TRAINED, c.version)
+                for g in c.batch:
+                    self.buffer.settle(g)
                 await ack_all([t for g in c.batch for t in g.tickets])
                 del self._in_flight[c.version]
                 await trio.to_thread.run_sync(functools.partial(

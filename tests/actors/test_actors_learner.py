@@ -33,13 +33,48 @@ def test_a_group_completes_at_group_size_and_counts_infra_errors_toward_it():
     assert [buf.add(s, f"ticket{i}") for i, s in enumerate(group)] == ["added", "added",
                                                                          "completed"]
     assert len(buf.ready) == 1 and not buf.pending
-    assert buf.add(group[0], "again") == "added"  # a new group: t1 was not consumed yet
-    buf.consume(buf.ready.popleft(), "v1")
+    done = buf.ready.popleft()
+    buf.consume(done, "v1")
     assert buf.ledger == {"t1:0:1": 0, "t1:1:1": 0, "t1:2:1": 0}
     assert buf.tasks == {"t1": "v1"}
-    buf.pending.clear()
+    buf.settle(done)
     assert buf.add(group[2], "redelivered") == "consumed"
     assert buf.counts["duplicates_skipped"] == 1
+
+
+def test_a_redelivery_to_a_complete_group_joins_it_and_starts_no_second_group_of_its_task():
+    # seen under chaos: a sample redelivered while its group waited to be trained made a
+    # second group of the task, trained in the next version too
+    buf = GroupBuffer()
+    group = synthetic_group("t1", [1.0, 0.0])
+    for i, s in enumerate(group):
+        buf.add(s, f"ticket{i}")
+    assert [buf.add(s, f"again{i}") for i, s in enumerate(group)] == ["duplicate"] * 2
+    assert not buf.pending and len(buf.ready) == 1
+    assert buf.ready[0].tickets == ["ticket0", "ticket1", "again0", "again1"]
+
+
+def test_a_redelivery_is_held_until_the_decision_of_its_group_is_durable():
+    buf = GroupBuffer()
+    group = synthetic_group("t1", [1.0, 0.0])
+    for i, s in enumerate(group):
+        buf.add(s, f"ticket{i}")
+    trained = buf.ready.popleft()
+    buf.consume(trained, "v1")  # trained; its checkpoint is being written
+    assert buf.add(group[0], "redelivered") == "duplicate"  # acked with the batch, not now
+    assert trained.tickets[-1] == "redelivered"
+    buf.settle(trained)  # the checkpoint committed
+    assert buf.add(group[0], "late") == "consumed"
+    assert trained.tickets[-1] == "redelivered"
+
+
+def test_an_expired_group_takes_no_more_samples_while_it_is_dropped():
+    buf = GroupBuffer()
+    a, b = synthetic_group("t1", [1.0, 0.0])
+    buf.add(a, "ticket-a")
+    [expired] = buf.expire(older_than=float("inf"))
+    assert buf.add(b, "ticket-b") == "duplicate"
+    assert not buf.ready and not buf.pending and expired.tickets == ["ticket-a", "ticket-b"]
 
 
 def test_a_later_attempt_of_a_decided_task_is_skipped_not_trained_again():
@@ -49,7 +84,9 @@ def test_a_later_attempt_of_a_decided_task_is_skipped_not_trained_again():
     first = synthetic_group("t3", [1.0, 0.0])
     for i, s in enumerate(first):
         buf.add(s, f"a{i}")
-    buf.consume(buf.ready.popleft(), "v4")
+    done = buf.ready.popleft()
+    buf.consume(done, "v4")
+    buf.settle(done)
     # the scheduler's lease ran out and attempt 2 of the same task finished later
     retry = [msgspec.structs.replace(s, rollout=msgspec.structs.replace(
         s.rollout, rollout_id=s.rollout.rollout_id.replace(":1", ":2")))
