@@ -42,23 +42,26 @@ def test_a_group_completes_at_group_size_and_counts_infra_errors_toward_it():
     assert buf.counts["duplicates_skipped"] == 1
 
 
+def complete_group(task_id: str, rewards: list[float]):
+    """A buffer holding one complete group of `task_id` (tickets ticket0, ticket1, ...)."""
+    buf = GroupBuffer()
+    group = synthetic_group(task_id, rewards)
+    for i, s in enumerate(group):
+        buf.add(s, f"ticket{i}")
+    return buf, group
+
+
 def test_a_redelivery_to_a_complete_group_joins_it_and_starts_no_second_group_of_its_task():
     # seen under chaos: a sample redelivered while its group waited to be trained made a
     # second group of the task, trained in the next version too
-    buf = GroupBuffer()
-    group = synthetic_group("t1", [1.0, 0.0])
-    for i, s in enumerate(group):
-        buf.add(s, f"ticket{i}")
+    buf, group = complete_group("t1", [1.0, 0.0])
     assert [buf.add(s, f"again{i}") for i, s in enumerate(group)] == ["duplicate"] * 2
     assert not buf.pending and len(buf.ready) == 1
     assert buf.ready[0].tickets == ["ticket0", "ticket1", "again0", "again1"]
 
 
 def test_a_redelivery_is_held_until_the_decision_of_its_group_is_durable():
-    buf = GroupBuffer()
-    group = synthetic_group("t1", [1.0, 0.0])
-    for i, s in enumerate(group):
-        buf.add(s, f"ticket{i}")
+    buf, group = complete_group("t1", [1.0, 0.0])
     trained = buf.ready.popleft()
     buf.consume(trained, "v1")  # trained; its checkpoint is being written
     assert buf.add(group[0], "redelivered") == "duplicate"  # acked with the batch, not now
@@ -80,10 +83,7 @@ def test_an_expired_group_takes_no_more_samples_while_it_is_dropped():
 def test_a_later_attempt_of_a_decided_task_is_skipped_not_trained_again():
     import msgspec
 
-    buf = GroupBuffer()
-    first = synthetic_group("t3", [1.0, 0.0])
-    for i, s in enumerate(first):
-        buf.add(s, f"a{i}")
+    buf, first = complete_group("t3", [1.0, 0.0])
     done = buf.ready.popleft()
     buf.consume(done, "v4")
     buf.settle(done)
