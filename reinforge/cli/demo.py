@@ -14,6 +14,7 @@ directory (`demo.toml`), so the same run can be started by hand.
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import json
 import subprocess
@@ -448,7 +449,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     after = evaluate(after_model, domains, eval_k, per_tier, tiers, answer_prior=False)
 
     from reinforge.metrics.report import build_report
-    from reinforge.rl.scoring import change_beyond_prior, mean_change, paired_change
+    from reinforge.rl.scoring import mean_change, paired_change
 
     report_dir = run_dir / "report"
     metrics = run_dir / "metrics" / "metrics.jsonl"
@@ -468,23 +469,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
         report_path = build_report(metrics, report_dir, run=run).page
     p1_before = {d: s["pass_at_1"] for d, s in before["domains"].items()}
     p1_after = {d: s["pass_at_1"] for d, s in after["domains"].items()}
-    # The headline compares the tiers the run trained (the curriculum reaches few of them in
-    # one run); every tier's change is there too.
+    # The headline is the change on held-out tasks drawn as the training was: each tier's
+    # paired change weighted by its share of the groups trained (the curriculum spends
+    # most of a run on one or two tiers; a tier probed by a few groups weighs little).
+    # Every tier's change is there too, and the unweighted change over all tiers.
     tier_of = heldout_tiers(domains, per_tier, tiers)
-    trained = trained_tiers(metrics)
-    changes, all_tiers, beyond = {}, {}, {}
+    trained = trained_groups(metrics)
+    changes, all_tiers, beyond, by_tier = {}, {}, {}, {}
     for d in (d for d in p1_before if d in p1_after):
         b_tasks = before["domains"][d]["task_pass_at_1"]
         a_tasks = after["domains"][d]["task_pass_at_1"]
         all_tiers[d] = paired_change(b_tasks, a_tasks)
+        by_tier[d] = tier_changes(b_tasks, a_tasks, tier_of[d])
         if trained.get(d):
-            keep = {t for t, tier in tier_of[d].items() if tier in trained[d]}
-            changes[d] = paired_change({t: v for t, v in b_tasks.items() if t in keep},
-                                       {t: v for t, v in a_tasks.items() if t in keep})
-            beyond[d] = change_beyond_prior(
-                {t: v for t, v in b_tasks.items() if t in keep},
-                {t: v for t, v in a_tasks.items() if t in keep},
-                before["domains"][d].get("prior_task_pass", {}))
+            changes[d] = trained_change(by_tier[d], trained[d])
+            beyond[d] = trained_change(tier_changes(
+                b_tasks, a_tasks, tier_of[d], before["domains"][d].get("prior_task_pass", {})),
+                trained[d])
     overall = mean_change(list(changes.values()))
     collapsed = collapsed_domains(before, after)
     improvement = overall.delta
@@ -494,8 +495,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "eval_after": p1_after,
         "improvement": round(improvement, 4),
         "improvement_ci95": [round(x, 4) for x in overall.ci95],
-        "trained_tiers": {d: sorted(t) for d, t in sorted(trained.items())},
+        "trained_tiers": {d: sorted(t) for d, t in trained.items()},
+        "trained_groups": {d: {str(t): n for t, n in c.items()} for d, c in trained.items()},
         "changes": {d: change_json(c) for d, c in changes.items()},
+        "changes_by_tier": {d: {str(t): change_json(c) for t, c in cs.items()}
+                            for d, cs in by_tier.items()},
         "improvement_beyond_prior": change_json(mean_change(list(beyond.values()))),
         "answer_prior": answer_prior_json(before, after, beyond),
         "collapsed": collapsed,
@@ -626,16 +630,40 @@ def heldout_tiers(domains: list[str], tasks_per_tier: int,
     return {d: {t.task_id: t.tier for t in tasks} for d, tasks in sets.items()}
 
 
-def trained_tiers(metrics: Path) -> dict[str, set[int]]:
-    """The tiers of each domain the learner trained on: those of the groups it put into an
-    update. A tier only sampled is not one: its groups had no signal (all failed, all
-    passed) or went stale, so nothing of it reached the policy."""
+def tier_changes(before: dict[str, float], after: dict[str, float], tier_of: dict[str, int],
+                 prior: dict[str, float] | None = None) -> dict[int, Any]:
+    """Each tier's paired change of pass@1 on its held-out tasks; against the better of the
+    start and the constant answer when `prior` (each task's pass with it) is given."""
+    from reinforge.rl.scoring import change_beyond_prior, paired_change
+
+    out = {}
+    for tier in sorted(set(tier_of.values())):
+        b = {t: v for t, v in before.items() if tier_of.get(t) == tier}
+        a = {t: v for t, v in after.items() if tier_of.get(t) == tier}
+        out[tier] = paired_change(b, a) if prior is None else change_beyond_prior(b, a, prior)
+    return out
+
+
+def trained_change(by_tier: dict[int, Any], groups: dict[int, int]) -> Any:
+    """The change on held-out tasks drawn as the training was: the tiers' changes weighted
+    by the groups trained on each (a tier the curriculum only probed weighs little)."""
+    from reinforge.rl.scoring import mean_change
+
+    tiers = [t for t in groups if t in by_tier]
+    return mean_change([by_tier[t] for t in tiers], [groups[t] for t in tiers])
+
+
+def trained_groups(metrics: Path) -> dict[str, dict[int, int]]:
+    """Groups the learner put into an update, per domain and tier. A tier only sampled has
+    none: its groups had no signal (all failed, all passed) or went stale, so nothing of it
+    reached the policy."""
     tier_of = {(r["domain"], r["task_id"]): r["tier"] for r in training_rollouts(metrics)}
-    tiers: dict[str, set[int]] = {}
+    groups: dict[str, collections.Counter[int]] = {}
     for rec in metrics_records(metrics, "decision"):
         if rec["fate"] == "trained" and (rec["domain"], rec["task_id"]) in tier_of:
-            tiers.setdefault(rec["domain"], set()).add(tier_of[rec["domain"], rec["task_id"]])
-    return tiers
+            groups.setdefault(rec["domain"], collections.Counter())[
+                tier_of[rec["domain"], rec["task_id"]]] += 1
+    return {d: dict(sorted(c.items())) for d, c in sorted(groups.items())}
 
 
 def guard_summary(metrics: Path) -> dict[str, Any]:

@@ -177,14 +177,22 @@ def change_beyond_prior(before: Mapping[str, float], after: Mapping[str, float],
     return paired_change(before, after)
 
 
-def mean_change(changes: Sequence[Change]) -> Change:
-    """The mean of independent per-domain changes, with its interval (the domains' held-out
-    sets are disjoint, so their variances add: se = sqrt(sum se_d^2) / D)."""
-    if not changes:
+def mean_change(changes: Sequence[Change], weights: Sequence[float] | None = None) -> Change:
+    """The (weighted) mean of changes on disjoint held-out sets (domains, or the tiers of
+    one domain), with its interval: their variances add, se = sqrt(sum (w_i se_i)^2) with
+    the weights summing to 1 (default: equal, se = sqrt(sum se_i^2) / D)."""
+    if weights is None:
+        weights = [1.0] * len(changes)
+    if len(weights) != len(changes) or any(w < 0 for w in weights):
+        raise ValueError(f"mean_change: need one weight >= 0 per change, got {list(weights)} "
+                         f"for {len(changes)} changes")
+    total = sum(weights)
+    if not changes or total == 0:
         return Change(delta=0.0, ci95=(0.0, 0.0), n_tasks=0)
-    d = len(changes)
-    delta = sum(c.delta for c in changes) / d
-    se = math.sqrt(sum(((c.ci95[1] - c.ci95[0]) / (2 * 1.96)) ** 2 for c in changes)) / d
+    w = [x / total for x in weights]
+    delta = sum(wi * c.delta for wi, c in zip(w, changes))
+    se = math.sqrt(sum((wi * (c.ci95[1] - c.ci95[0]) / (2 * 1.96)) ** 2
+                       for wi, c in zip(w, changes)))
     return Change(delta=delta, ci95=(delta - 1.96 * se, delta + 1.96 * se),
                   n_tasks=sum(c.n_tasks for c in changes))
 

@@ -43,6 +43,9 @@ def test_a_short_demo_advances_versions_scores_every_domain_and_writes_the_repor
     assert set(result["changes"]) == set(result["trained_tiers"]) == {"math", "code", "docqa"}
     for d, change in result["changes"].items():
         assert change["n_tasks"] == 2 * len(result["trained_tiers"][d])
+        assert sorted(map(int, result["trained_groups"][d])) == result["trained_tiers"][d]
+    assert {d: len(c) for d, c in result["changes_by_tier"].items()} == \
+        {"math": 5, "code": 4, "docqa": 4}
     lo, hi = result["improvement_ci95"]
     assert lo <= result["improvement"] <= hi
     # the answer prior of every trained domain verified in-process (code's is in a sandbox)
@@ -125,8 +128,8 @@ def test_the_demo_summarises_the_guard_and_the_logprob_mismatch_from_the_metrics
     assert logp_mismatch_summary(tmp_path / "none.jsonl") == {"steps": 0}
 
 
-def test_the_demo_knows_the_tier_of_each_held_out_task_and_the_tiers_it_trained(tmp_path):
-    from reinforge.cli.demo import heldout_tiers, trained_tiers
+def test_the_demo_knows_the_tier_of_each_held_out_task_and_the_groups_it_trained(tmp_path):
+    from reinforge.cli.demo import heldout_tiers, trained_groups
 
     tiers = heldout_tiers(["math", "code"], 3)
     assert sorted(tiers["math"].values()) == sorted(list(range(5)) * 3)
@@ -140,11 +143,28 @@ def test_the_demo_knows_the_tier_of_each_held_out_task_and_the_tiers_it_trained(
     metrics.write_text("".join(json.dumps(r) + "\n" for r in [
         scored("math", 0, "m0@1"), scored("math", 2, "m2@1"), scored("math", 3, "m3@1"),
         scored("math", 4, "heldout-m4", "eval"), scored("code", 1, "c1@1"),
+        scored("math", 2, "m2@2"),
         decided("math", "m0@1", "accepted"), decided("math", "m0@1", "trained"),
         decided("math", "m2@1", "trained"), decided("math", "m3@1", "no_signal"),
-        decided("code", "c1@1", "trained")]))
+        decided("math", "m2@2", "trained"), decided("code", "c1@1", "trained")]))
     # tier 3 was sampled, but its only group had no signal: nothing of it was trained
-    assert trained_tiers(metrics) == {"math": {0, 2}, "code": {1}}
+    assert trained_groups(metrics) == {"code": {1: 1}, "math": {0: 1, 2: 2}}
+
+
+def test_the_demo_headline_weights_each_tier_by_the_groups_trained_on_it():
+    from reinforge.cli.demo import tier_changes, trained_change
+
+    tier_of = {"a": 0, "b": 0, "c": 1, "d": 1, "e": 2}
+    before = {"a": 1.0, "b": 0.5, "c": 0.0, "d": 0.5, "e": 0.0}
+    after = {"a": 1.0, "b": 0.5, "c": 0.5, "d": 1.0, "e": 1.0}
+    by_tier = tier_changes(before, after, tier_of)
+    assert {t: c.delta for t, c in by_tier.items()} == {0: 0.0, 1: 0.5, 2: 1.0}
+    # tier 0: 1 group trained, tier 1: 3; tier 2 never trained, so it is left out
+    headline = trained_change(by_tier, {0: 1, 1: 3})
+    assert headline.delta == pytest.approx(0.375) and headline.n_tasks == 4
+    # against the constant answer where it beats the start: it passes c and d
+    beyond = tier_changes(before, after, tier_of, {"c": 1.0, "d": 1.0})
+    assert beyond[1].delta == pytest.approx(-0.25) and beyond[0].delta == 0.0
 
 
 def test_the_demo_reports_the_training_reward_at_the_start_and_the_end(tmp_path):

@@ -69,6 +69,18 @@ def test_the_mean_of_per_domain_changes_adds_their_variances():
     assert m.ci95 == pytest.approx((0.1 - half, 0.1 + half))
 
 
+def test_a_weighted_mean_of_changes_weights_their_deltas_and_their_variances():
+    # weights 3:1 -> .75 and .25: delta .75 x .2 = .15, se sqrt((.75 x .1)^2 + (.25 x .2)^2)
+    changes = [Change(delta=0.2, ci95=(0.2 - 0.196, 0.2 + 0.196), n_tasks=10),
+               Change(delta=0.0, ci95=(-0.392, 0.392), n_tasks=20)]
+    m = mean_change(changes, weights=[3, 1])
+    half = 1.96 * ((0.75 * 0.1) ** 2 + (0.25 * 0.2) ** 2) ** 0.5
+    assert m.delta == pytest.approx(0.15) and m.n_tasks == 30
+    assert m.ci95 == pytest.approx((0.15 - half, 0.15 + half))
+    with pytest.raises(ValueError, match="one weight >= 0 per change"):
+        mean_change(changes, weights=[1])
+
+
 def test_an_answer_signature_is_the_last_non_empty_line_with_its_spaces_collapsed():
     assert answer_signature("7 * 3 = 21\n####   26 \n\n") == "#### 26"
     assert answer_signature("think\n<answer>2</answer>") == "<answer>2</answer>"
