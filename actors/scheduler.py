@@ -135,6 +135,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     task_files: dict[str, str] = {}
     """domain -> JSONL file of recurring tasks (instead of the domain's generator)."""
     curriculum: CurriculumConfig = CurriculumConfig()
+    start_pass_rates: dict[str, list[float]] = {}
+    """domain -> the starting policy's pass rate on its tiers 0, 1, ... (e.g. from a
+    held-out evaluation): a domain new to the run starts at the easiest tier it has not
+    solved yet (`DomainCurriculum.new`), not at `curriculum.start_tier`."""
     heldout: HeldOutConfig = HeldOutConfig()
     """Tasks held out for evaluation: never issued for training; `[run]` (the evaluator
     scores the same)."""
@@ -156,6 +160,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
                              f"{self.min_signal_rate}")
         if any(w < 0 for w in self.domains.values()):
             raise ValueError(f"SchedulerConfig.domains: weights must be >= 0, got {self.domains}")
+        bad = {d: r for d, r in self.start_pass_rates.items() if not all(0 <= x <= 1 for x in r)}
+        if bad:
+            raise ValueError(f"SchedulerConfig.start_pass_rates: rates must be in [0, 1], got "
+                             f"{bad}")
         if sum(self.replay_floors.values()) > 1.0:
             raise ValueError(f"SchedulerConfig.replay_floors add up to more than 1: "
                              f"{self.replay_floors}")
@@ -373,7 +381,8 @@ class Scheduler(Actor):
         st = self.state.curricula.get(name)
         self.curricula[name] = (
             DomainCurriculum(cfg.curriculum, st) if st is not None
-            else DomainCurriculum.new(cfg.curriculum, len(domain.tiers))
+            else DomainCurriculum.new(cfg.curriculum, len(domain.tiers),
+                                      cfg.start_pass_rates.get(name, ())[:len(domain.tiers)])
         )
         self.state.curricula[name] = self.curricula[name].state
         self.state.counters.setdefault(name, DomainCounters())

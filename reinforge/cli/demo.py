@@ -273,7 +273,8 @@ def evaluate(model: Path, domains: list[str], k: int, tasks_per_tier: int,
 def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
                    args: argparse.Namespace, *, max_staleness: int = 2,
                    heldout_per_tier: int = 4, guard: dict[str, float] | None = None,
-                   heldout_tiers: list[int] | None = None, guard_rotation: int = 0) -> str:
+                   heldout_tiers: list[int] | None = None, guard_rotation: int = 0,
+                   start_pass_rates: dict[str, list[float]] | None = None) -> str:
     """The TOML `reinforge up` runs. Sized for 2 CPU cores. `max_staleness=0` makes the
     actors take turns (generate, verify, train, each waiting for the last): the synchronous
     baseline of `bench/rl_throughput.py`.
@@ -282,7 +283,9 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
     `heldout_per_tier` held-out tasks of each tier (the demo's before/after evaluation uses
     exactly those). `guard` (domain -> minimum pass@1) adds the evaluator: every
     `args.guard_every` versions it scores the policy on the first GUARD_TASKS_PER_TIER of
-    those held-out tasks and rolls back a version that falls below its floor."""
+    those held-out tasks and rolls back a version that falls below its floor.
+    `start_pass_rates` (domain -> the starting policy's pass@1 on tiers 0, 1, ...) starts
+    each domain's curriculum at the easiest tier it has not solved yet."""
     from reinforge.envs.domain import DomainRegistry
 
     args = with_policy_defaults(args)
@@ -304,6 +307,9 @@ config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], k = 2, eve
 """
     lora = (f", lora = {{ r = {args.lora_rank}, alpha = {2.0 * args.lora_rank} }}"
             if args.lora_rank else "")
+    starts = (", start_pass_rates = { " + ", ".join(
+        f"{json.dumps(d)} = {json.dumps([round(r, 4) for r in rates])}"
+        for d, rates in start_pass_rates.items()) + " }") if start_pass_rates else ""
     held = f"tasks_per_tier = {heldout_per_tier}" + (
         f", tiers = {json.dumps(heldout_tiers)}" if heldout_tiers else "")
     return f"""# Written by `reinforge demo`; `reinforge up {run_dir / 'demo.toml'}` runs it again.
@@ -320,7 +326,7 @@ healthy_timeout_s = 300
 
 [[actors]]
 spec = "reinforge.actors.scheduler:Scheduler"
-config = {{ domains = {{ {mix} }}, max_in_flight = {MAX_IN_FLIGHT} }}
+config = {{ domains = {{ {mix} }}, max_in_flight = {MAX_IN_FLIGHT}{starts} }}
 
 [[actors]]
 spec = "reinforge.actors.sampler:SamplerActor"
@@ -426,9 +432,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     eval_s = before.get("eval_s", 60.0) + 30.0
     config_path = run_dir / "demo.toml"
     floors = {d: max(0.0, sc["pass_at_1"] - GUARD_MARGIN) for d, sc in before["domains"].items()}
+    tier_of = heldout_tiers(domains, per_tier, tiers)
     config_path.write_text(cluster_config(
         run, run_dir, sft, domains, args, heldout_per_tier=per_tier, guard=floors,
-        heldout_tiers=tiers, guard_rotation=SUITE_GUARD_DOMAINS_PER_VERSION if args.suite else 0))
+        heldout_tiers=tiers, guard_rotation=SUITE_GUARD_DOMAINS_PER_VERSION if args.suite else 0,
+        start_pass_rates={d: tier_pass_rates(sc["task_pass_at_1"], tier_of[d])
+                          for d, sc in before["domains"].items()}))
 
     say(f"starting the cluster: reinforge up {config_path} --detach")
     up = reinforge("up", str(config_path), "--run", run, "--detach", capture=True)
@@ -473,7 +482,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     # paired change weighted by its share of the groups trained (the curriculum spends
     # most of a run on one or two tiers; a tier probed by a few groups weighs little).
     # Every tier's change is there too, and the unweighted change over all tiers.
-    tier_of = heldout_tiers(domains, per_tier, tiers)
     trained = trained_groups(metrics)
     changes, all_tiers, beyond, by_tier = {}, {}, {}, {}
     for d in (d for d in p1_before if d in p1_after):
@@ -628,6 +636,15 @@ def heldout_tiers(domains: list[str], tasks_per_tier: int,
     sets = build_heldout(DomainRegistry.default(), domains,
                          HeldOutConfig(tasks_per_tier=tasks_per_tier, tiers=tiers or []))
     return {d: {t.task_id: t.tier for t in tasks} for d, tasks in sets.items()}
+
+
+def tier_pass_rates(task_pass: dict[str, float], tier_of: dict[str, int]) -> list[float]:
+    """Mean pass@1 on tiers 0, 1, ... of the held-out tasks scored, up to the first tier
+    with none."""
+    rates: list[float] = []
+    while scores := [v for t, v in task_pass.items() if tier_of.get(t) == len(rates)]:
+        rates.append(sum(scores) / len(scores))
+    return rates
 
 
 def tier_changes(before: dict[str, float], after: dict[str, float], tier_of: dict[str, int],

@@ -117,11 +117,25 @@ class DomainCurriculum:
         self.state = state
 
     @classmethod
-    def new(cls, config: CurriculumConfig, n_tiers: int) -> DomainCurriculum:
+    def new(cls, config: CurriculumConfig, n_tiers: int,
+            measured: Sequence[float] = ()) -> DomainCurriculum:
+        """A domain's curriculum at `config.start_tier`; or, given the pass rates `measured`
+        on its tiers 0, 1, ... (e.g. by a held-out evaluation of the starting policy), at
+        the easiest of them at or below `promote_above` (where the promotion rule would
+        stop; past the last measured tier if all are above), with each measured tier's
+        window starting with its rate as one group."""
         if n_tiers < 1:
             raise ValueError(f"a domain needs at least one tier, got {n_tiers}")
-        level = min(max(config.start_tier, 0), n_tiers - 1)
-        return cls(config, DomainCurriculumState(n_tiers=n_tiers, level=level))
+        if len(measured) > n_tiers or not all(0.0 <= r <= 1.0 for r in measured):
+            raise ValueError(f"measured pass rates must be in [0, 1], one per tier (at most "
+                             f"{n_tiers}), got {list(measured)}")
+        level = config.start_tier
+        if measured:
+            level = next((t for t, r in enumerate(measured) if r <= config.promote_above),
+                         len(measured))
+        state = DomainCurriculumState(n_tiers=n_tiers, level=min(max(level, 0), n_tiers - 1),
+                                      windows={t: [r] for t, r in enumerate(measured)})
+        return cls(config, state)
 
     @property
     def level(self) -> int:

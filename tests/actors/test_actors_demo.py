@@ -279,6 +279,27 @@ def test_the_policys_defaults_reach_the_learner_from_the_command_line_as_parsed(
     assert demo.TINY_GROUPS_PER_VERSION != demo.PRETRAINED_GROUPS_PER_VERSION
 
 
+def test_the_demo_starts_each_curriculum_at_the_tier_its_evaluation_found_unsolved(tmp_path):
+    import argparse
+
+    from reinforge.cli import demo
+    from reinforge.core.cluster import load_cluster_config
+
+    tier_of = {"a": 0, "b": 0, "c": 1, "d": 3}
+    # tier 2 was not evaluated: the rates stop before it
+    assert demo.tier_pass_rates({"a": 1.0, "b": 0.5, "c": 0.25, "d": 0.0}, tier_of) == \
+        [0.75, 0.25]
+    parser = argparse.ArgumentParser(prog="reinforge")
+    demo.register(parser.add_subparsers(dest="command"))
+    config = tmp_path / "demo.toml"
+    config.write_text(demo.cluster_config("s", tmp_path, tmp_path / "sft", ["math", "code"],
+                                          parser.parse_args(["demo"]),
+                                          start_pass_rates={"math": [0.9375, 0.5]}))
+    scheduler, = [a for a in load_cluster_config(config).actors
+                  if a.spec.endswith(":Scheduler")]
+    assert scheduler.config["start_pass_rates"] == {"math": [0.9375, 0.5]}
+
+
 def test_a_demo_of_tool_domains_gives_its_sampler_a_sandbox_and_turns_long_enough_for_a_call(
         tmp_path):
     import argparse

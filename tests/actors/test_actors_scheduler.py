@@ -164,6 +164,28 @@ def test_the_curriculum_moves_up_on_all_pass_groups_and_down_on_all_fail_ones(
     trio.run(main)
 
 
+def test_a_domain_given_its_starting_pass_rates_is_issued_at_the_first_unsolved_tier(
+    creds, run_name, tmp_path
+):
+    cfg = config(tmp_path, domains={"math": 1.0}, group_size=2, max_in_flight=3,
+                 start_pass_rates={"math": [0.95, 0.5, 0.1]},
+                 curriculum=CurriculumConfig(explore=0.0))
+
+    async def main():
+        async with open_bus(creds) as bus, scheduler(creds, run_name, cfg):
+            tasks = await TaskWatcher(bus, run_name).until(lambda ts: len(ts) >= 3)
+            assert [t.tier for t in tasks] == [1, 1, 1]
+        st = load_state(tmp_path / "state.json")
+        assert st.curricula["math"].windows == {0: [0.95], 1: [0.5], 2: [0.1]}
+
+    trio.run(main)
+
+
+def test_starting_pass_rates_outside_0_1_are_refused():
+    with pytest.raises(ValueError, match="start_pass_rates: rates must be in"):
+        SchedulerConfig(start_pass_rates={"math": [0.5, 54.0]})
+
+
 def test_a_lease_is_reissued_after_its_sampler_was_killed_and_completes_once(
     creds, creds_file, run_name, tmp_path, spawn
 ):

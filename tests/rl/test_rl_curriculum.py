@@ -71,6 +71,21 @@ def test_the_curriculum_moves_a_domain_down_a_tier_when_none_are_solved():
     assert cur.level == 0
 
 
+def test_a_curriculum_given_measured_rates_starts_at_the_easiest_tier_not_yet_solved():
+    # the starting policy solves tier 0 (0.94 > promote_above 0.8): it starts at tier 1
+    cur = DomainCurriculum.new(CurriculumConfig(explore=0.0), 5, [0.94, 0.54, 0.44, 0.0])
+    assert cur.level == 1
+    assert cur.window(0) == [0.94] and cur.window(3) == [0.0] and cur.window(4) == []
+    # every measured tier solved: the next one; nothing left: the top
+    assert DomainCurriculum.new(CurriculumConfig(), 3, [0.9, 0.85]).level == 2
+    assert DomainCurriculum.new(CurriculumConfig(), 2, [0.9, 0.85]).level == 1
+    assert DomainCurriculum.new(CurriculumConfig(start_tier=2), 3, []).level == 2
+    with pytest.raises(ValueError, match=r"in \[0, 1\], one per tier"):
+        DomainCurriculum.new(CurriculumConfig(), 2, [0.5, 0.5, 0.5])
+    with pytest.raises(ValueError, match=r"in \[0, 1\], one per tier"):
+        DomainCurriculum.new(CurriculumConfig(), 2, [54.0])
+
+
 def test_mixed_results_keep_the_domain_at_its_tier():
     cur = DomainCurriculum.new(CFG, n_tiers=3)
     for r in [0.5, 0.25, 0.75, 0.5, 0.5, 0.625]:
