@@ -148,12 +148,20 @@ service_pid() {
     fi
     pgrep -u "$SB_UID" -f "podman system service .*unix://$SOCK\$" | head -n 1 || true
 }
-if service_up && [ -f "$CONF" ]; then
+# ... and one whose working directory was deleted (it was started from a checkout since
+# removed): conmon then fails every container with "Failed to get working directory"
+if service_up; then
     pid="$(service_pid)"
     if [ -n "$pid" ]; then
         started_s=$(( $(date +%s) - $(ps -o etimes= -p "$pid" | tr -d ' ') ))
-        if [ "$(stat -c %Y "$CONF")" -gt "$started_s" ]; then
-            log "restarting podman system service (pid $pid) to read the new $CONF"
+        why=""
+        if [ -f "$CONF" ] && [ "$(stat -c %Y "$CONF")" -gt "$started_s" ]; then
+            why="to read the new $CONF"
+        elif [ "$(stat -L -c %h "/proc/$pid/cwd" 2>/dev/null)" = 0 ]; then  # no links left
+            why="whose working directory was deleted"
+        fi
+        if [ -n "$why" ]; then
+            log "restarting podman system service (pid $pid) $why"
             kill -TERM "$pid" 2>/dev/null || true
             for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
             kill -KILL "$pid" 2>/dev/null || true
@@ -165,7 +173,8 @@ if ! service_up; then
     log "starting podman system service at $SOCK"
     as_user mkdir -p "$RUNDIR/podman"
     rm -f "$SOCK"
-    as_user sh -c 'echo $$ > "$1/podman/service.pid"; exec setsid nohup podman system service --time=0 "unix://$2"' \
+    # from /, never the caller's folder: a service outlives the checkout that started it
+    as_user sh -c 'cd / && echo $$ > "$1/podman/service.pid" && exec setsid nohup podman system service --time=0 "unix://$2"' \
         sh "$RUNDIR" "$SOCK" >"$RUNDIR/podman/service.log" 2>&1 </dev/null &
     for _ in $(seq 1 100); do service_up && break; sleep 0.1; done
     service_up || die "podman system service did not come up; see $RUNDIR/podman/service.log"

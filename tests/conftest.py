@@ -89,12 +89,16 @@ def _drop_the_streams_a_test_made(request: pytest.FixtureRequest):
 @pytest.fixture(scope="session")
 def podman_url() -> str:
     from reinforge.envs.sandbox.box import DEFAULT_IMAGE, SandboxInfraError, connect, default_podman_url
+    from reinforge.envs.sandbox.image import cwd_deleted, service_pid
 
     url = default_podman_url()
     try:
         client = connect(url, timeout_s=10)
         if not client.images.exists(DEFAULT_IMAGE):
             raise SandboxInfraError(f"image {DEFAULT_IMAGE} missing")
+        pid = service_pid(url)
+        if pid is not None and cwd_deleted(pid):  # every container would hang or fail
+            raise SandboxInfraError(f"the service (pid {pid}) runs in a deleted folder")
     except SandboxInfraError as exc:
         require(False, f"rootless Podman is not ready ({exc}); run `sudo "
                        "scripts/setup_podman.sh` then `reinforge sandbox doctor`")

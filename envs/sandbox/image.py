@@ -35,6 +35,27 @@ class SetupCheck(msgspec.Struct, frozen=True, kw_only=True):
     fix: str = ""
 
 
+def service_pid(url: str) -> int | None:
+    """The pid of the `podman system service` listening at `url`, if this user can see it."""
+    sock = url.removeprefix("unix://")
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"service" in argv and any(a.decode(errors="replace").endswith(sock) for a in argv):
+            return int(proc.name)
+    return None
+
+
+def cwd_deleted(pid: int) -> bool:
+    """Whether process `pid` runs in a folder that was deleted (one that outlived a checkout)."""
+    try:
+        return os.stat(f"/proc/{pid}/cwd").st_nlink == 0
+    except OSError:
+        return False
+
+
 def setup_script() -> Path | None:
     """scripts/setup_podman.sh of the source tree this package is installed from, if any."""
     here = Path(__file__).resolve().parents[2]  # envs/sandbox/image.py -> the checkout
@@ -101,6 +122,17 @@ def doctor(image: str = DEFAULT_IMAGE) -> list[SetupCheck]:
     info = client.info()
     runtime = info.get("host", {}).get("ociRuntime", {})
     add(name="service", ok=True, detail=f"Podman {client.version().get('Version')} at {url}")
+    pid = service_pid(url)
+    gone = pid is not None and cwd_deleted(pid)
+    add(
+        name="service dir",
+        ok=not gone,
+        detail=f"the service (pid {pid}) runs in a deleted folder: conmon fails every container "
+        "('Failed to get working directory')" if gone
+        else f"the service (pid {pid}) runs in a folder that exists" if pid is not None
+        else "the service's process is not visible from here",
+        fix=setup + " (it restarts the service from /)" if gone else "",
+    )
     add(
         name="runtime",
         ok=True,

@@ -23,6 +23,9 @@ Invariants:
     the background; one whose wrapper was killed is reset before its next job;
   - infrastructure failures are retried on a fresh sandbox `infra_attempts` times, then
     returned as InfraFailure — never as a RunResult, so never as a reward of 0;
+  - a try waits at most acquire_timeout_s for a ready sandbox, and not at all while none
+    can start (none left, the last `infra_attempts` starts failed): it fails at once with
+    the start's error, until a start works again;
   - results are cached by a hash of (files, argv, stdin, env, timeout, image); InfraFailure
     never is.
 """
@@ -114,7 +117,9 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     infra_attempts: int = 3
     """Tries of one job on fresh sandboxes before it is reported as an InfraFailure."""
     acquire_timeout_s: float = 60.0
-    """How long one try waits for a ready sandbox before it counts as an infrastructure failure."""
+    """How long one try waits for a ready sandbox before it counts as an infrastructure failure;
+    none at all while no sandbox can start (no sandbox left and the last `infra_attempts`
+    starts failed): then a try fails at once with the start's error."""
     restart_backoff_s: float = 0.5
     """First pause after a failed sandbox start (doubles, up to 10 s)."""
     cache_entries: int = 4096
@@ -188,6 +193,12 @@ class SandboxPool:
         self._last_error = ""
         self._busy = 0
         self._pending: set[_Slot] = set()
+        self._start_streak = 0
+        """Sandbox starts failed in a row (0 after any start that worked)."""
+        self._start_error = ""
+        """The last start's error (`_last_error` is also a job's, which quotes this one)."""
+        self._waiting: set[trio.CancelScope] = set()
+        """The waits for a ready sandbox, cancelled when no sandbox can start."""
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -251,11 +262,16 @@ class SandboxPool:
             except SandboxInfraError as exc:
                 self._uids.discard(uid)
                 self._counts["start_failures"] += 1
-                self._last_error = str(exc)
+                self._last_error = self._start_error = str(exc)
+                self._start_streak += 1
+                if self._unstartable():  # nobody may wait acquire_timeout_s for nothing
+                    for scope in list(self._waiting):
+                        scope.cancel()
                 await trio.sleep(backoff_s)
                 backoff_s = min(10.0, max(backoff_s * 2, 0.1))
                 continue
             self._all.add(box)
+            self._start_streak = 0
             self._counts["started"] += 1
             self._counts["replaced"] += is_replacement
             await self._ready_send.send(box)
@@ -284,6 +300,34 @@ class SandboxPool:
             await self._ready_send.send(box)
         else:
             await self._retire(box)
+
+    def _unstartable(self) -> bool:
+        """No sandbox is left and the last `infra_attempts` starts failed (Podman is down, the
+        image is missing, every container start fails): waiting for one is pointless."""
+        return not self._all and self._start_streak >= self.config.infra_attempts
+
+    async def _acquire(self) -> Sandbox | None:
+        """A ready sandbox, or None: after acquire_timeout_s, or as soon as no sandbox can
+        start (see `_unstartable`)."""
+        if not self._unstartable():
+            with trio.move_on_after(self.config.acquire_timeout_s) as scope:
+                self._waiting.add(scope)
+                try:
+                    return await self._ready_recv.receive()
+                finally:
+                    self._waiting.discard(scope)
+            return None
+        try:
+            return self._ready_recv.receive_nowait()
+        except trio.WouldBlock:
+            return None
+
+    def _no_sandbox(self) -> str:
+        if self._unstartable():
+            return (f"no sandbox became ready: the last {self._start_streak} sandbox starts "
+                    f"failed; last error: {self._start_error}")
+        return (f"no sandbox became ready within {self.config.acquire_timeout_s} s"
+                + (f"; last start error: {self._start_error}" if self._start_error else ""))
 
     # -- jobs ----------------------------------------------------------------------
 
@@ -344,14 +388,9 @@ class SandboxPool:
             slot = carry.pop(0) if carry else await self._queue_recv.receive()
             if slot.abandoned:
                 continue
-            box: Sandbox | None = None
-            with trio.move_on_after(self.config.acquire_timeout_s):
-                box = await self._ready_recv.receive()
+            box = await self._acquire()
             if box is None:
-                slot.fail(
-                    f"no sandbox became ready within {self.config.acquire_timeout_s} s"
-                    + (f"; last error: {self._last_error}" if self._last_error else "")
-                )
+                slot.fail(self._no_sandbox())
                 continue
             batch = [slot]
             checks = isinstance(slot.job, Check)
@@ -415,14 +454,9 @@ class SandboxPool:
         SandboxInfraError when no sandbox is ready in time or the process does not start."""
         if self._nursery is None:
             raise SandboxInfraError("the sandbox pool is not open: use `async with SandboxPool()`")
-        box: Sandbox | None = None
-        with trio.move_on_after(self.config.acquire_timeout_s):
-            box = await self._ready_recv.receive()
+        box = await self._acquire()
         if box is None:
-            raise SandboxInfraError(
-                f"no sandbox became ready within {self.config.acquire_timeout_s} s"
-                + (f"; last error: {self._last_error}" if self._last_error else "")
-            )
+            raise SandboxInfraError(self._no_sandbox())
         self._busy += 1
         raw: SandboxSession | None = None
         try:

@@ -116,3 +116,27 @@ def test_arun_works_from_trio(box):
         return await box.arun(["echo", "hi"], limiter=trio.CapacityLimiter(1))
 
     assert trio.run(main).stdout == b"hi\n"
+
+
+def test_the_podman_service_is_found_and_runs_in_a_folder_that_exists(podman_url, tmp_path):
+    import subprocess
+
+    from reinforge.envs.sandbox.image import cwd_deleted, service_pid
+
+    pid = service_pid(podman_url)
+    assert pid is not None
+    # a service started inside a checkout later deleted broke every container (conmon:
+    # "Failed to get working directory"); scripts/setup_podman.sh starts it from /
+    assert os.readlink(f"/proc/{pid}/cwd") == "/" and not cwd_deleted(pid)
+    # the check itself, on a real process whose folder is removed under it
+    where = tmp_path / "checkout"
+    where.mkdir()
+    proc = subprocess.Popen(["sleep", "60"], cwd=where)
+    try:
+        assert not cwd_deleted(proc.pid)
+        where.rmdir()
+        assert cwd_deleted(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+
