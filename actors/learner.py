@@ -688,9 +688,8 @@ class Learner(Actor):
                 checkpoint_s = time.monotonic() - t0
                 await trio.to_thread.run_sync(self.journal.clear, c.sealed)  # in it now
                 await self._publish_weights(c.version, path, c.step)
-                for g in c.batch:
+                for g in c.batch:  # committed: later deliveries of its tasks are acked at once
                     await self._decide(g, Fate.TRAINED, c.version)
-                for g in c.batch:
                     self.buffer.settle(g)
                 await ack_all([t for g in c.batch for t in g.tickets])
                 del self._in_flight[c.version]
