@@ -93,9 +93,9 @@ def podman_url() -> str:
 
     url = default_podman_url()
     try:
-        client = connect(url, timeout_s=10)
-        if not client.images.exists(DEFAULT_IMAGE):
-            raise SandboxInfraError(f"image {DEFAULT_IMAGE} missing")
+        with connect(url, timeout_s=10) as client:
+            if not client.images.exists(DEFAULT_IMAGE):
+                raise SandboxInfraError(f"image {DEFAULT_IMAGE} missing")
         pid = service_pid(url)
         if pid is not None and cwd_deleted(pid):  # every container would hang or fail
             raise SandboxInfraError(f"the service (pid {pid}) runs in a deleted folder")

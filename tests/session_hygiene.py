@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 from collections.abc import Iterator
 
@@ -50,12 +51,13 @@ def remove_session_containers(session: str) -> list[str]:
 
     try:
         client = connect(default_podman_url(), timeout_s=10)
-        containers = client.containers.list(
-            all=True, filters={"label": f"{SESSION_LABEL}={session}"})
     except SandboxInfraError:  # no Podman here: the tests that needed it said so
         return []
-    for container in containers:
-        container.remove(force=True)
+    with client:
+        containers = client.containers.list(
+            all=True, filters={"label": f"{SESSION_LABEL}={session}"})
+        for container in containers:
+            container.remove(force=True)
     return [container.name for container in containers]
 
 
@@ -93,3 +95,17 @@ async def delete_streams(creds: NatsCredentials, names: set[str]) -> None:
                 pass
     finally:
         await nc.close()
+
+
+
+def unix_sockets_left_open_by(work) -> int:
+    """How many more UNIX sockets (a Podman client's connection) this process holds right
+    after `work` than before: one left for the garbage collector to close counts (a client
+    sits in reference cycles, so only a collection, whenever it comes, would close it)."""
+    import psutil
+
+    proc = psutil.Process()
+    gc.collect()
+    before = len(proc.net_connections(kind="unix"))
+    work()
+    return len(proc.net_connections(kind="unix")) - before

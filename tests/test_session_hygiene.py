@@ -65,5 +65,5 @@ def test_the_sweep_removes_the_sandbox_containers_labelled_with_its_session(podm
     box = Sandbox.start(SandboxConfig(podman_url=podman_url),
                         labels={SESSION_LABEL: "sweep-containers"})
     assert sweep_session("sweep-containers") == [f"container {box.name}"]
-    client = connect(podman_url, timeout_s=10)
-    assert client.containers.list(all=True, filters={"name": box.name}) == []
+    with connect(podman_url, timeout_s=10) as client:
+        assert client.containers.list(all=True, filters={"name": box.name}) == []

@@ -110,6 +110,7 @@ It does NOT protect against:
 from __future__ import annotations
 
 import base64
+import contextlib
 import enum
 import hashlib
 import io
@@ -380,6 +381,12 @@ def connect(url: str | None = None, *, timeout_s: float = 30.0):
     except Exception as exc:  # requests/podman errors: the service is down
         raise SandboxInfraError(f"Podman API at {url} is not answering: {exc}") from exc
     return client
+
+
+def probe_limits(url: str | None = None, *, timeout_s: float = 30.0) -> LimitMechanism:
+    """`limit_mechanism` of the service at `url`, asked over a client closed afterwards."""
+    with connect(url, timeout_s=timeout_s) as client:
+        return limit_mechanism(client)
 
 
 def limit_mechanism(client) -> LimitMechanism:
@@ -676,6 +683,9 @@ class Sandbox:
         host_uid: int | None = None,
     ) -> None:
         self._client = client
+        self._own_client = None
+        """The client `start` opened for this sandbox alone (None: the caller's), closed
+        with it."""
         self.host_uid = host_uid
         """The candidate's uid as the host sees it: the memory watchdog sums its RSS."""
         self.shell = shell
@@ -718,7 +728,15 @@ class Sandbox:
         sandbox of a pool its own); `limits` skips asking Podman which mechanism applies.
         """
         config = config or SandboxConfig()
-        client = client or connect(config.podman_url, timeout_s=config.api_timeout_s)
+        if client is None:  # a client of its own, closed with the sandbox (here if start fails)
+            own = connect(config.podman_url, timeout_s=config.api_timeout_s)
+            try:
+                box = cls.start(config, client=own, uid=uid, limits=limits, labels=labels)
+            except BaseException:
+                own.close()
+                raise
+            box._own_client = own
+            return box
         limits = limits or limit_mechanism(client)
         if uid is None:
             uid = CANDIDATE_UID_BASE + secrets.randbelow(CANDIDATE_UID_SPAN)
@@ -801,6 +819,10 @@ class Sandbox:
         self.end_zygote()
         if _quiet_remove(self._container):
             self.monitors_reaped += reap_exec_monitors(self._container.id, removed=True)
+        if self._own_client is not None:
+            with contextlib.suppress(Exception):
+                self._own_client.close()
+            self._own_client = None
 
     def __enter__(self) -> Sandbox:
         return self

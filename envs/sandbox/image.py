@@ -119,9 +119,13 @@ def doctor(image: str = DEFAULT_IMAGE) -> list[SetupCheck]:
     except SandboxInfraError as exc:
         add(name="service", ok=False, detail=str(exc), fix=setup)
         return checks
-    info = client.info()
+    with client:  # everything the checks below ask of the service
+        info = client.info()
+        version = client.version().get("Version")
+        exists = client.images.exists(image)
+        labels = (client.images.get(image).labels or {}) if exists else {}
     runtime = info.get("host", {}).get("ociRuntime", {})
-    add(name="service", ok=True, detail=f"Podman {client.version().get('Version')} at {url}")
+    add(name="service", ok=True, detail=f"Podman {version} at {url}")
     pid = service_pid(url)
     gone = pid is not None and cwd_deleted(pid)
     add(
@@ -147,7 +151,6 @@ def doctor(image: str = DEFAULT_IMAGE) -> list[SetupCheck]:
         if driver == "overlay"
         else 'set [storage] driver = "overlay" in ~/.config/containers/storage.conf, then podman system reset',
     )
-    exists = client.images.exists(image)
     add(
         name="image",
         ok=exists,
@@ -155,7 +158,6 @@ def doctor(image: str = DEFAULT_IMAGE) -> list[SetupCheck]:
         fix="" if exists else "reinforge sandbox build-image",
     )
     if exists:
-        labels = client.images.get(image).labels or {}
         version = int(labels.get("reinforge.sandbox.version", "0") or 0)
         add(
             name="wrapper",
@@ -178,26 +180,27 @@ def doctor(image: str = DEFAULT_IMAGE) -> list[SetupCheck]:
 def build_image(image: str = DEFAULT_IMAGE, *, offline: bool = False) -> str:
     """Make `image` exist: reuse it, else run the set-up script (pull, else debootstrap +
     import, cached), else pull through podman-py. Returns how it was obtained."""
-    client = connect()
-    if client.images.exists(image):
-        return f"{image} already present (reused)"
-    script = setup_script()
-    if script is not None:
-        env = dict(
-            os.environ, REINFORGE_SANDBOX_IMAGE=image, REINFORGE_OFFLINE="1" if offline else "0"
-        )
-        proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise SandboxInfraError(f"{script} failed: {proc.stderr.strip()[-800:]}")
-        return f"{image} built by {script}"
-    if offline:
-        raise SandboxInfraError("offline build needs scripts/setup_podman.sh from the source tree")
-    try:
-        img = client.images.pull(PULL_IMAGE)
-        img.tag(image.rsplit(":", 1)[0], image.rsplit(":", 1)[1])
-    except Exception as exc:
-        raise SandboxInfraError(
-            f"pulling {PULL_IMAGE} failed ({exc}); with no registry, run "
-            "scripts/setup_podman.sh from the source tree (builds offline)"
-        ) from exc
-    return f"{image} pulled from {PULL_IMAGE}"
+    with connect() as client:
+        if client.images.exists(image):
+            return f"{image} already present (reused)"
+        script = setup_script()
+        if script is not None:
+            env = dict(
+                os.environ, REINFORGE_SANDBOX_IMAGE=image, REINFORGE_OFFLINE="1" if offline else "0"
+            )
+            proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise SandboxInfraError(f"{script} failed: {proc.stderr.strip()[-800:]}")
+            return f"{image} built by {script}"
+        if offline:
+            raise SandboxInfraError(
+                "offline build needs scripts/setup_podman.sh from the source tree")
+        try:
+            img = client.images.pull(PULL_IMAGE)
+            img.tag(image.rsplit(":", 1)[0], image.rsplit(":", 1)[1])
+        except Exception as exc:
+            raise SandboxInfraError(
+                f"pulling {PULL_IMAGE} failed ({exc}); with no registry, run "
+                "scripts/setup_podman.sh from the source tree (builds offline)"
+            ) from exc
+        return f"{image} pulled from {PULL_IMAGE}"

@@ -54,8 +54,7 @@ from reinforge.envs.sandbox.box import (
     Sandbox,
     SandboxConfig,
     SandboxInfraError,
-    connect,
-    limit_mechanism,
+    probe_limits,
 )
 from reinforge.envs.sandbox.batch import can_batch, inline_size, run_tasks
 from reinforge.envs.sandbox.session import SandboxSession
@@ -204,10 +203,9 @@ class SandboxPool:
 
     async def __aenter__(self) -> SandboxPool:
         cfg = self.config.sandbox
-        client = await trio.to_thread.run_sync(
-            functools.partial(connect, cfg.podman_url, timeout_s=cfg.api_timeout_s)
+        self._limits = await trio.to_thread.run_sync(
+            functools.partial(probe_limits, cfg.podman_url, timeout_s=cfg.api_timeout_s)
         )
-        self._limits = await trio.to_thread.run_sync(limit_mechanism, client)
         self._nursery_cm = trio.open_nursery()
         self._nursery = await self._nursery_cm.__aenter__()
         for _ in range(self.config.size):

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from reinforge.cli import reinforge_argv
+from reinforge.core.children import die_with_parent, exit_on_sigterm
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_DOMAINS = "math"
@@ -145,10 +146,12 @@ def register(subparsers: Any) -> None:
 
 
 def reinforge(*args: str, capture: bool = False, timeout_s: float | None = None) -> Any:
+    """Run `reinforge ARGS` to its end; it ends with the demo, even a killed one."""
     cmd = reinforge_argv(*args)
     if capture:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    return subprocess.run(cmd, timeout=timeout_s, stdout=sys.stderr)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                              preexec_fn=die_with_parent)
+    return subprocess.run(cmd, timeout=timeout_s, stdout=sys.stderr, preexec_fn=die_with_parent)
 
 
 def say(text: str) -> None:
@@ -386,6 +389,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from reinforge.core import paths
 
     t0 = time.time()
+    exit_on_sigterm()  # a `timeout` or `kill` of the demo stops its evaluation and its cluster
     args = with_policy_defaults(args)
     budget_s = 60 * args.minutes
     tiers: list[int] | None = None
@@ -440,13 +444,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
                           for d, sc in before["domains"].items()}))
 
     say(f"starting the cluster: reinforge up {config_path} --detach")
-    up = reinforge("up", str(config_path), "--run", run, "--detach", capture=True)
-    if up.returncode != 0:
-        raise UserError(f"reinforge up failed:\n{up.stdout}\n{up.stderr[-3000:]}")
-    say(up.stdout.strip())
-    # Leave room for the final evaluation and the report inside the budget.
-    train_until = t0 + max(budget_s - eval_s - 20.0, 60.0)
-    try:
+    try:  # from here on, however the demo ends (SIGTERM too), the cluster is taken down
+        up = reinforge("up", str(config_path), "--run", run, "--detach", capture=True)
+        if up.returncode != 0:
+            raise UserError(f"reinforge up failed:\n{up.stdout}\n{up.stderr[-3000:]}")
+        say(up.stdout.strip())
+        # Leave room for the final evaluation and the report inside the budget.
+        train_until = t0 + max(budget_s - eval_s - 20.0, 60.0)
         progress_loop(run_dir, train_until)
     finally:
         say("stopping the cluster: reinforge down")

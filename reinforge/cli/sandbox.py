@@ -29,7 +29,7 @@ def _selftest(args) -> int:
     from reinforge.envs.sandbox.selftest import main_selftest
 
     try:
-        connect()
+        connect().close()
     except SandboxInfraError as exc:
         raise UserError(f"{exc} (see `reinforge sandbox doctor`)") from exc
     return main_selftest(args.json)

@@ -265,6 +265,14 @@ class TrainingJob(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"{type(self).__name__}: learning_rate must be > 0, got "
                              f"{self.learning_rate}")
 
+    def inputs_digest(self, kind: str, examples: Any, sources: tuple[str, ...] = ()) -> str:
+        """`inputs_digest` of this job: the examples themselves, and every setting but the
+        output folder, the CPU threads (how fast, not what is trained) and the `sources`
+        fields that named where the examples came from (the examples are hashed instead)."""
+        settings = {k: v for k, v in msgspec.structs.asdict(self).items()
+                    if k not in ("model", "out", "torch_threads", *sources)}
+        return inputs_digest(kind, self.model, msgspec.json.encode(examples), settings)
+
 
 def inputs_digest(kind: str, model_dir: str | Path, data: bytes,
                   settings: dict[str, Any]) -> str:

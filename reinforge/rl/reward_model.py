@@ -168,18 +168,11 @@ def load_scorer(model_dir: str | Path) -> tuple[Any, Any, int]:
     return tok, model, pad
 
 
-def input_hash(cfg: RMConfig, rows: list[Any]) -> str:
-    settings = msgspec.structs.asdict(cfg)
-    for key in ("model", "out", "data", "torch_threads"):
-        settings.pop(key)  # the rows themselves are hashed
-    return ckpt.inputs_digest(RM_FORMAT, cfg.model, msgspec.json.encode(rows), settings)
-
-
 def train_reward_model(cfg: RMConfig,
                        progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Train (or reuse the cached result); returns the summary."""
     rows = load_rows(cfg.data) if cfg.data else synthetic_pairs(cfg.seed, cfg.synthetic)
-    digest = input_hash(cfg, rows)
+    digest = cfg.inputs_digest(RM_FORMAT, rows, sources=("data",))
     out = Path(cfg.out)
     cached = ckpt.cached_result(out, digest)
     if cached is not None:

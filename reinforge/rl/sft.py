@@ -27,6 +27,8 @@ from reinforge.rl.evalsets import HeldOutConfig, build_heldout, fingerprint, hel
 from reinforge.rl.prompts import observation_ids, task_prompt_ids
 
 SFT_FORMAT = "reinforge-sft/2"  # 2: prompts through the chat template, as RL sees them
+# The fields that choose the demonstrations; the demonstrations are hashed instead.
+SFT_SOURCES = ("jsonl", "domains", "tiers", "num_examples", "heldout")
 
 
 class SFTConfig(ckpt.TrainingJob, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -128,19 +130,11 @@ def encode_demo(tokenizer: Any, demo: Demo, *,
     return ids, mask
 
 
-def input_hash(cfg: SFTConfig, demos: list[Demo]) -> str:
-    """What determines the output: model files, demonstrations and the training settings."""
-    settings = msgspec.structs.asdict(cfg)
-    for key in ("model", "out", "jsonl", "domains", "tiers", "num_examples", "heldout"):
-        settings.pop(key)  # the demonstrations themselves are hashed
-    return ckpt.inputs_digest(SFT_FORMAT, cfg.model, msgspec.json.encode(demos), settings)
-
-
 def run_sft(cfg: SFTConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Train (or reuse the cached result); returns the summary printed as the final JSON."""
     demos = demos_from_jsonl(cfg.jsonl) if cfg.jsonl else demos_from_domains(
         cfg.domains, cfg.tiers, cfg.num_examples, cfg.seed, cfg.heldout)
-    digest = input_hash(cfg, demos)
+    digest = cfg.inputs_digest(SFT_FORMAT, demos, sources=SFT_SOURCES)
     out = Path(cfg.out)
     cached = ckpt.cached_result(out, digest)
     if cached is not None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -15,6 +14,7 @@ from pathlib import Path
 import msgspec
 import trio
 
+from reinforge.core.children import die_with_parent
 from reinforge.rollout.client import RolloutClient
 from reinforge.rollout.command import serve_argv
 
@@ -52,13 +52,6 @@ def server_command(cfg: ServerSpec, port_file: str) -> list[str]:
             "--weight-version", str(cfg.initial_version), *cfg.server_args]
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the sampler dies (even by kill -9)."""
-    import ctypes
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def _free_port() -> int:
     import socket
 
@@ -85,7 +78,7 @@ class ServerProcess:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                preexec_fn=die_with_parent,  # the server ends with its owner, even a kill -9
             )
 
     async def wait_url(self, timeout_s: float) -> str:

@@ -19,7 +19,7 @@ def podman_available() -> str | None:
     try:
         from reinforge.envs.sandbox.box import connect
 
-        connect(timeout_s=5.0)
+        connect(timeout_s=5.0).close()
     except Exception as exc:  # noqa: BLE001 - any failure means "not available"
         return str(exc)
     return None

@@ -7,13 +7,15 @@ import os
 import pytest
 import trio
 
+from session_hygiene import unix_sockets_left_open_by
+
 from reinforge.envs.sandbox.box import (
     LimitMechanism,
     RunStatus,
     Sandbox,
     SandboxConfig,
     SandboxInfraError,
-    limit_mechanism,
+    probe_limits,
     connect,
 )
 
@@ -40,7 +42,7 @@ def test_files_stdin_env_and_exit_code_come_through(box):
 
 def test_result_says_which_limit_mechanism_is_in_force(box, podman_url):
     r = box.run(["true"])
-    assert r.limits is limit_mechanism(connect(podman_url))
+    assert r.limits is probe_limits(podman_url)
     assert r.limits in (LimitMechanism.CGROUP, LimitMechanism.RLIMIT)
 
 
@@ -90,8 +92,9 @@ def test_run_task_starts_clean_and_returns_exact_output(box):
 def test_a_sandbox_carries_the_labels_of_its_environment_so_a_session_can_sweep_it(box, podman_url):
     # tests/conftest.py puts this session's label in REINFORGE_SANDBOX_LABELS
     session = os.environ["REINFORGE_TEST_SESSION"]
-    found = connect(podman_url, timeout_s=10).containers.list(
-        all=True, filters={"label": f"reinforge.test-session={session}"})
+    with connect(podman_url, timeout_s=10) as client:
+        found = client.containers.list(
+            all=True, filters={"label": f"reinforge.test-session={session}"})
     assert box.name in {c.name for c in found}
 
 
@@ -140,3 +143,11 @@ def test_the_podman_service_is_found_and_runs_in_a_folder_that_exists(podman_url
         proc.kill()
         proc.wait()
 
+
+
+def test_a_sandbox_started_without_a_client_closes_the_one_it_opened(podman_url):
+    def start_run_close():
+        with Sandbox.start(SandboxConfig(podman_url=podman_url, timeout_s=5)) as b:
+            assert b.run(["true"]).status is RunStatus.OK
+
+    assert unix_sockets_left_open_by(start_run_close) == 0

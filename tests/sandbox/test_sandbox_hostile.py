@@ -20,7 +20,8 @@ pytestmark = pytest.mark.podman
 
 
 def containers_labelled(url: str, run_id: str) -> list[str]:
-    found = connect(url).containers.list(all=True, filters={"label": f"reinforge.test={run_id}"})
+    with connect(url) as client:
+        found = client.containers.list(all=True, filters={"label": f"reinforge.test={run_id}"})
     return [c.name for c in found]
 
 

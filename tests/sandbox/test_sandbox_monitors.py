@@ -189,4 +189,5 @@ def test_conmon_and_candidate_processes_return_to_baseline_after_many_tasks_and_
 def foreign_containers(podman_url: str) -> set[str]:
     from reinforge.envs.sandbox.box import connect
 
-    return {c.id for c in connect(podman_url).containers.list(all=True)}
+    with connect(podman_url) as client:
+        return {c.id for c in client.containers.list(all=True)}

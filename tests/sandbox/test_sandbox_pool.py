@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import trio
+from session_hygiene import unix_sockets_left_open_by
 
 from reinforge.envs.sandbox.box import RunStatus, RunResult, SandboxConfig
 from reinforge.envs.sandbox.pool import InfraFailure, Job, PoolConfig, SandboxPool
@@ -145,3 +146,12 @@ def test_a_session_held_while_its_pool_closes_removes_its_container_on_exit(podm
     reply, box = run(main)
     assert reply["output"] == "hi\n" and reply["commands"] == 1
     assert not box.alive()  # closed on the way out, not left running
+
+
+def test_a_pool_leaves_no_podman_client_open_after_it_closes(podman_url):
+    async def main():
+        cfg = PoolConfig(sandbox=SandboxConfig(podman_url=podman_url), size=1, cache_entries=0)
+        async with SandboxPool(cfg) as pool:
+            assert (await pool.run(job("return a + b"))).ok
+
+    assert unix_sockets_left_open_by(lambda: run(main)) == 0

@@ -1,5 +1,5 @@
 """Unit tests of the sandbox pool's logic above Podman, with FAKE sandbox starts (the pool's
-seams: connect, limit_mechanism, Sandbox.start, run_checks) on trio's fake clock. The real
+seams: probe_limits, Sandbox.start, run_checks) on trio's fake clock. The real
 pool against real Podman is tests/sandbox/test_sandbox_pool.py.
 
 Seen in CI: with every container start failing (the Podman service ran in a deleted folder),
@@ -24,8 +24,7 @@ def _no_podman(monkeypatch, start):
         return fn(*args)
 
     monkeypatch.setattr(trio.to_thread, "run_sync", run_sync)
-    monkeypatch.setattr(P, "connect", lambda *a, **k: object())
-    monkeypatch.setattr(P, "limit_mechanism", lambda client: LimitMechanism.CGROUP)
+    monkeypatch.setattr(P, "probe_limits", lambda *a, **k: LimitMechanism.CGROUP)
     monkeypatch.setattr(P.Sandbox, "start", staticmethod(start))
 
 
