@@ -8,8 +8,9 @@ bootstrap:
 demo: bootstrap
 	.venv/bin/reinforge demo $(ARGS)
 
-# Every test, against a real nats-server and real rootless Podman.
+# Every test, against a real nats-server, real rootless Podman and headless Chromium.
 test: bootstrap
+	bash scripts/setup_browser.sh
 	.venv/bin/python -m pytest $(PYTEST_ARGS)
 
 bench: bootstrap

@@ -232,6 +232,33 @@ class EvalStats(_Msg, frozen=True, tag="eval-stats/1"):
     figures: dict[str, float] = {}
 
 
+class Review(str, enum.Enum):
+    """What a person found wrong with a scored rollout."""
+
+    WRONG_REWARD = "wrong_reward"  # the verifier's reward is wrong: `corrected_reward` is right
+    EXPLOIT = "exploit"  # the rollout games its verifier (its reward is not earned)
+
+
+class ReviewMark(_Msg, frozen=True, tag="review/1"):
+    """A person's mark on one scored rollout (`reinforge ui --review`). It carries the
+    prompt and the completion, so the review set exported from a log
+    (`reinforge log reviews`) needs nothing else, even once the rollout is trimmed."""
+
+    rollout_id: str
+    task_id: str
+    domain: str
+    kind: Review
+    recorded_reward: float
+    corrected_reward: float
+    """The reward the rollout should have had (for an exploit, what it really earns)."""
+    tier: int = 0
+    policy_version: int = 0
+    note: str = ""
+    reviewer: str = ""
+    prompt: str = ""
+    completion: str = ""
+
+
 class Echo(_Msg, frozen=True, tag="echo/1"):
     """Payload of the trivial echo actors (smoke tests, benchmarks)."""
 
@@ -336,6 +363,7 @@ Message = Union[
     Rollback,
     TrainStats,
     EvalStats,
+    ReviewMark,
     Echo,
     DeadLetter,
     Heartbeat,

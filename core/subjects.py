@@ -3,6 +3,7 @@
 Data plane (kept in the run's JetStream stream, which is also the message log):
     rl.<run>.task.<domain>      rl.<run>.rollout.<domain>   rl.<run>.scored.<domain>
     rl.<run>.weights            rl.<run>.stats.<actor>      rl.<run>.dlq
+    rl.<run>.decision.<domain>  rl.<run>.review.<domain>    (a person's marks: `reinforge ui`)
     rl.<run>.echo.<name>        (smoke tests and benchmarks)
 Control plane (core NATS, not stored): ctl.<run>.>  (announce, heartbeat, attach, stop).
 """
@@ -51,6 +52,10 @@ def scored(run: str, domain: str = "*") -> str:
 
 def decision(run: str, domain: str = "*") -> str:
     return f"rl.{run}.decision.{domain}"
+
+
+def review(run: str, domain: str = "*") -> str:
+    return f"rl.{run}.review.{domain}"
 
 
 def weights(run: str) -> str:

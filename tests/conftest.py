@@ -105,6 +105,40 @@ def podman_url() -> str:
     return url
 
 
+@pytest.fixture(scope="session")
+def chromedriver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real chromedriver (W3C WebDriver) for Debian's headless Chromium; its URL."""
+    import shutil
+    import socket
+    import time
+
+    import httpx
+
+    driver = shutil.which("chromedriver")
+    require(driver is not None and shutil.which("chromium") is not None,
+            "Chromium and chromedriver are missing: run `sudo scripts/setup_browser.sh`")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([driver, f"--port={port}"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{url}/status").json()["value"]["ready"]:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "chromedriver did not start"
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 @pytest.fixture
 def run_name() -> str:
     return "t" + uuid.uuid4().hex[:10]

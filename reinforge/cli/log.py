@@ -29,6 +29,15 @@ def register(subparsers: Any) -> None:
     show.add_argument("--task-id", default="", help="only messages about this task")
     show.set_defaults(func=cmd_show)
 
+    reviews = log_sub.add_parser(
+        "reviews", help="write a log's review marks as a JSONL set for SFT or a reward model")
+    reviews.add_argument("file", help="a log written by `reinforge log export`")
+    reviews.add_argument("-o", "--output", required=True, help="the JSONL file to write")
+    reviews.add_argument("--min-score", type=float, default=None,
+                         help="keep only rollouts whose right reward is at least this (e.g. 1: "
+                              "answers to imitate, for SFT)")
+    reviews.set_defaults(func=cmd_reviews)
+
     rp = subparsers.add_parser(
         "replay", help="feed an actor its recorded inputs in isolation; diff its outputs",
         description="Feed an actor its recorded inputs on a private nats-server and diff its "
@@ -105,6 +114,28 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reviews(args: argparse.Namespace) -> int:
+    import collections
+
+    from reinforge.cli import UserError
+    from reinforge.core.msglog import LogFormatError
+    from reinforge.ui.runlog import RunLog, review_rows
+
+    try:
+        log = RunLog.from_file(args.file)
+    except (OSError, LogFormatError) as exc:
+        raise UserError(str(exc)) from None
+    rows = review_rows(log.marks, args.min_score)
+    with open(args.output, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    per = collections.Counter(row["domain"] for row in rows)
+    print(f"wrote {len(rows)} reviewed rollouts to {args.output} "
+          f"({', '.join(f'{d} {n}' for d, n in sorted(per.items())) or 'none'}) "
+          f"from {len(log.marks)} review marks")
+    return 0
+
+
 def trim_summary(trims: list[dict[str, Any]], first_seq: int) -> str:
     """What the run's log keeper removed before this export could read it."""
     if not trims:
@@ -129,6 +160,9 @@ def summarise(msg: Any) -> str:
         return f"{msg.task_id} {msg.domain} tier {msg.tier} x{msg.group_size}"
     if name == "DeadLetter":
         return f"from {msg.subject}: {msg.reason}"
+    if name == "ReviewMark":
+        return (f"{msg.rollout_id} {msg.kind.value}: reward {msg.recorded_reward:g} -> "
+                f"{msg.corrected_reward:g} ({msg.reviewer}) {msg.note}")
     fields = [f for f in msg.__struct_fields__ if f != "sent_at"][:3]
     return " ".join(f"{f}={getattr(msg, f)!r}" for f in fields)
 

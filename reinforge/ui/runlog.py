@@ -1,7 +1,9 @@
-"""A run's messages as the UI reads them: scored rollouts, dead letters, by id and task.
+"""A run's messages as the UI reads them: scored rollouts, dead letters and review marks, by
+id and task.
 
-Built from a message log file (`reinforge log export`): every record decoded with the one
-typed decoder; records that do not decode are counted, never shown as anything else.
+Built from a message log file (`reinforge log export`) or from the run's stream as it grows
+(`follow`): every record decoded with the one typed decoder; records that do not decode are
+counted, never shown as anything else.
 """
 
 from __future__ import annotations
@@ -9,8 +11,17 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from reinforge.core.messages import DeadLetter, MessageError, ScoredRollout, decode
+from reinforge.core.messages import (
+    DeadLetter,
+    MessageError,
+    ReviewMark,
+    Rollback,
+    ScoredRollout,
+    WeightsPublished,
+    decode,
+)
 from reinforge.core.msglog import read_log
 
 
@@ -18,31 +29,60 @@ from reinforge.core.msglog import read_log
 class RunLog:
     scored: list[ScoredRollout] = field(default_factory=list)
     dead_letters: list[DeadLetter] = field(default_factory=list)
+    marks: list[ReviewMark] = field(default_factory=list)
+    versions: list[WeightsPublished] = field(default_factory=list)
+    rollbacks: list[Rollback] = field(default_factory=list)
     undecodable: int = 0
+    last_seq: int = 0
+    """The last stream sequence read (a live view reads on from the next)."""
     by_id: dict[str, ScoredRollout] = field(default_factory=dict)
-    by_task: dict[str, list[ScoredRollout]] = field(default_factory=lambda: defaultdict(list))
+    by_problem: dict[str, list[ScoredRollout]] = field(default_factory=lambda: defaultdict(list))
+    """Scored rollouts by problem: the task id without its issue number (`@N`), so that one
+    problem's groups, issued again as the run went on, line up across versions."""
+    marks_of: dict[str, list[ReviewMark]] = field(default_factory=lambda: defaultdict(list))
 
     @classmethod
     def from_file(cls, path: str | Path) -> RunLog:
         log = cls()
         for record in read_log(path):
-            try:
-                msg = decode(record.payload)
-            except MessageError:
-                log.undecodable += 1
-                continue
-            if isinstance(msg, ScoredRollout):
-                log.add(msg)
-            elif isinstance(msg, DeadLetter):
-                log.dead_letters.append(msg)
+            log.take(record.payload, record.stream_seq)
         return log
+
+    def take(self, payload: bytes, seq: int = 0) -> None:
+        """One stored message: kept when the UI shows its type, counted when it does not
+        decode, else passed over."""
+        self.last_seq = max(self.last_seq, seq)
+        try:
+            msg = decode(payload)
+        except MessageError:
+            self.undecodable += 1
+            return
+        if isinstance(msg, ScoredRollout):
+            self.add(msg)
+        elif isinstance(msg, DeadLetter):
+            self.dead_letters.append(msg)
+        elif isinstance(msg, ReviewMark):
+            self.marks.append(msg)
+            self.marks_of[msg.rollout_id].append(msg)
+        elif isinstance(msg, WeightsPublished):
+            self.versions.append(msg)
+        elif isinstance(msg, Rollback):
+            self.rollbacks.append(msg)
 
     def add(self, s: ScoredRollout) -> None:
         if s.rollout.rollout_id in self.by_id:  # a redelivery stored twice: keep the first
             return
         self.scored.append(s)
         self.by_id[s.rollout.rollout_id] = s
-        self.by_task[s.rollout.task_id].append(s)
+        self.by_problem[problem_of(s.rollout.task_id)].append(s)
+
+    def scored_per_minute(self) -> float:
+        """Rollouts scored per minute, over the span of their send times."""
+        if len(self.scored) < 2:
+            return 0.0
+        times = [s.sent_at for s in self.scored]
+        span = max(times) - min(times)
+        return 60.0 * (len(times) - 1) / span if span > 0 else 0.0
 
     def domains(self) -> list[str]:
         return sorted({s.rollout.domain for s in self.scored})
@@ -55,3 +95,34 @@ class RunLog:
                 and (not tier or str(s.rollout.tier) == tier)
                 and (not outcome or s.outcome.value == outcome)
                 and (not version or str(s.rollout.policy_version) == version)]
+
+
+def problem_of(task_id: str) -> str:
+    """`math-t0-1a2b@17` -> `math-t0-1a2b`: the scheduler numbers each issue of a problem."""
+    return task_id.split("@", 1)[0]
+
+
+async def follow(bus: Any, stream: str, log: RunLog, every_s: float = 2.0) -> None:
+    """Keep `log` up to date with the run's stream: read what was stored after
+    `log.last_seq`, then again every `every_s` seconds (runs until cancelled)."""
+    import trio
+
+    while True:
+        async for d in bus.read_stream(stream, start_seq=log.last_seq + 1):
+            log.take(d.data, d.stream_seq)
+        await trio.sleep(every_s)
+
+
+def review_rows(marks: list[ReviewMark], min_score: float | None = None) -> list[dict]:
+    """The review set: one row per marked rollout (its latest mark), with the prompt, the
+    completion as `response` and the right reward as `score`, the shape that SFT
+    (`{prompt, response}`) and the reward-model trainer (`{prompt, response, score}`) read.
+    `min_score` keeps the rollouts whose right reward is at least that (answers to imitate)."""
+    latest: dict[str, ReviewMark] = {}
+    for mark in marks:
+        latest[mark.rollout_id] = mark
+    return [{"prompt": m.prompt, "response": m.completion, "score": m.corrected_reward,
+             "domain": m.domain, "task_id": m.task_id, "rollout_id": m.rollout_id,
+             "kind": m.kind.value, "recorded_reward": m.recorded_reward, "note": m.note,
+             "reviewer": m.reviewer}
+            for m in latest.values() if min_score is None or m.corrected_reward >= min_score]

@@ -21,6 +21,9 @@ def sample_messages() -> list:
         m.Rollback(to_version=2, path="/ckpt/2", reason="math fell below 0.3"),
         m.TrainStats(version=3, step=7, loss=0.5, figures={"kl": 0.01}),
         m.EvalStats(version=3, domain="math", pass_at_1=0.5, pass_at_k=0.75, k=4, n_tasks=8),
+        m.ReviewMark(rollout_id="t1:0:1", task_id="t1", domain="math", kind=m.Review.EXPLOIT,
+                     recorded_reward=1.0, corrected_reward=0.0, note="prints the answer key",
+                     prompt="1+1=", completion="2"),
         m.Echo(seq=1, body="x"),
         m.DeadLetter(subject="a.b", reason="bad", actor_id="x", payload=b"\xff\x00"),
         m.Heartbeat(actor_id="a", actor_type="echo", host="h", pid=1, started_at=0.0),
@@ -46,6 +49,14 @@ def test_every_tag_carries_a_schema_version_and_tags_are_unique():
     tags = [m.tag_of(cls) for cls in m.MESSAGE_TYPES]
     assert len(set(tags)) == len(tags)
     assert all(t.rsplit("/", 1)[1].isdigit() for t in tags)
+
+
+def test_a_review_mark_of_an_unknown_kind_is_refused_naming_the_field():
+    data = msgspec.msgpack.encode({
+        "type": "review/1", "rollout_id": "r", "task_id": "t", "domain": "math",
+        "kind": "looks_odd", "recorded_reward": 1.0, "corrected_reward": 0.0})
+    with pytest.raises(m.MessageError, match=r"\$\.kind"):
+        m.decode(data)
 
 
 def test_a_missing_field_is_named_in_the_error():

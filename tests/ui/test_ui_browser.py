@@ -5,29 +5,26 @@ script renders as text under a policy that forbids scripts."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from ui_runs import EVIL, serving_ui
 
 from reinforge.core import messages as m
 from reinforge.core.msglog import LogRecord, LogWriter
 from reinforge.envs.tools import TranscriptTurn, encode_transcript
 
-EVIL = "<script>alert('x')</script><img src=x onerror=alert(1)><b>bold</b>"
-
 
 def scored(task: str, i: int, version: int, reward: float, completion: str, *,
-           domain: str = "math", checks: tuple[m.Check, ...] = ()) -> m.ScoredRollout:
+           domain: str = "math", checks: tuple[m.Check, ...] = (), at: float = 0.0,
+           tier: int = 1) -> m.ScoredRollout:
     r = m.Rollout(rollout_id=f"{task}:{i}:1", task_id=task, sample_index=i, domain=domain,
-                  tier=1, prompt=f"prompt of {task}", completion=completion,
+                  tier=tier, prompt=f"prompt of {task}", completion=completion,
                   output_ids=[5, 6, 7], logprobs=[-0.1, -0.2, -0.3], policy_version=version)
     return m.ScoredRollout(rollout=r, reward=reward,
                            outcome=m.Outcome.PASS if reward else m.Outcome.FAIL,
-                           reason="checked", checks=list(checks))
+                           reason="checked", checks=list(checks), sent_at=at)
 
 
 @pytest.fixture
@@ -35,9 +32,13 @@ def recorded_run(tmp_path) -> Path:
     episode = encode_transcript([TranscriptTurn(text="<tool_call>ls</tool_call>",
                                                 observation="a.txt"),
                                  TranscriptTurn(text="Done.")])
-    msgs = [scored("t1", 0, 1, 1.0, "#### 5", checks=(m.Check(name="answer", passed=True),)),
-            scored("t1", 1, 3, 0.0, EVIL),
-            scored("t2", 0, 2, 1.0, episode, domain="terminal"),
+    msgs = [scored("t1", 0, 1, 1.0, "#### 5", checks=(m.Check(name="answer", passed=True),),
+                   at=1000.0, tier=0),
+            m.WeightsPublished(version=1, path="/ckpt/1"),
+            m.WeightsPublished(version=2, path="/ckpt/2"),
+            m.Rollback(to_version=1, path="/ckpt/1", reason="math fell below 0.3"),
+            scored("t1", 1, 3, 0.0, EVIL, at=1030.0),
+            scored("t2", 0, 2, 1.0, episode, domain="terminal", at=1060.0),
             m.DeadLetter(subject="rl.demo.rollout.math", reason="bad payload: no field x",
                          actor_id="verifier-0", deliveries=5)]
     path = tmp_path / "run.log"
@@ -50,22 +51,8 @@ def recorded_run(tmp_path) -> Path:
 
 @pytest.fixture
 def ui(recorded_run, tmp_path):
-    port_file = tmp_path / "port"
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "reinforge", "ui", "--log",
-                             str(recorded_run), "--port", "0", "--port-file", str(port_file)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "reinforge ui did not start"
-            time.sleep(0.1)
-        port, token = port_file.read_text().split()
-        yield f"http://127.0.0.1:{port}", token
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        proc.stdout.close()
+    with serving_ui(["--log", str(recorded_run)], tmp_path) as served:
+        yield served.url, served.token
 
 
 def test_every_page_needs_the_token_and_nothing_can_be_changed(ui):
@@ -78,6 +65,16 @@ def test_every_page_needs_the_token_and_nothing_can_be_changed(ui):
         assert c.get("/rollouts").status_code == 200  # the cookie from the first visit
         assert c.post("/rollouts").status_code == 405
     assert "1 records that did not decode" in ok.text
+
+
+def test_the_overview_has_the_runs_pace_tier_mix_versions_and_rollbacks(ui):
+    url, token = ui
+    with httpx.Client(base_url=url, params={"token": token}) as c:
+        overview = c.get("/").text
+    assert "2.0 rollouts scored per minute" in overview  # 3 scored over 60 s
+    assert "<td>t0 50% · t1 50%</td>" in overview  # math: one rollout at each tier
+    assert "2 versions published; 1 rollbacks:" in overview
+    assert "<li>to v1: math fell below 0.3</li>" in overview
 
 
 def test_the_browser_filters_and_shows_a_rollout_its_task_and_the_dead_letters(ui):
