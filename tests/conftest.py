@@ -106,7 +106,7 @@ def podman_url() -> str:
 
 
 @pytest.fixture(scope="session")
-def chromedriver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def chromedriver() -> Iterator[str]:
     """A real chromedriver (W3C WebDriver) for Debian's headless Chromium; its URL."""
     import shutil
     import socket

@@ -78,7 +78,7 @@ async def serve(args: argparse.Namespace, log: Any, token: str, sock: Any,
     from reinforge.core.atomic import write_atomic
     from reinforge.core.bus import open_bus
     from reinforge.ui.app import build_app, mark_id
-    from reinforge.ui.runlog import follow
+    from reinforge.ui.runlog import catch_up, follow
 
     config = Config()
     config.bind = [f"fd://{sock.fileno()}"]
@@ -92,8 +92,7 @@ async def serve(args: argparse.Namespace, log: Any, token: str, sock: Any,
         nursery = await stack.enter_async_context(trio.open_nursery())  # closed before the bus
         if bus is not None:
             stream = subjects.stream_name(args.run)
-            async for d in bus.read_stream(stream):  # all of it before the page opens
-                log.take(d.data, d.stream_seq)
+            await catch_up(bus, stream, log)  # all of it before the page opens
             nursery.start_soon(follow, bus, stream, log)
             if args.review:
                 async def review(mark: Any) -> None:

@@ -102,15 +102,20 @@ def problem_of(task_id: str) -> str:
     return task_id.split("@", 1)[0]
 
 
+async def catch_up(bus: Any, stream: str, log: RunLog) -> None:
+    """Read into `log` what the run's stream stored after `log.last_seq`."""
+    async for d in bus.read_stream(stream, start_seq=log.last_seq + 1):
+        log.take(d.data, d.stream_seq)
+
+
 async def follow(bus: Any, stream: str, log: RunLog, every_s: float = 2.0) -> None:
-    """Keep `log` up to date with the run's stream: read what was stored after
-    `log.last_seq`, then again every `every_s` seconds (runs until cancelled)."""
+    """Keep `log` up to date with the run's stream: `catch_up` every `every_s` seconds
+    (runs until cancelled)."""
     import trio
 
     while True:
-        async for d in bus.read_stream(stream, start_seq=log.last_seq + 1):
-            log.take(d.data, d.stream_seq)
         await trio.sleep(every_s)
+        await catch_up(bus, stream, log)
 
 
 def review_rows(marks: list[ReviewMark], min_score: float | None = None) -> list[dict]:
