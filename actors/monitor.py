@@ -7,13 +7,14 @@ Inputs (core subscriptions, at most once — the monitor never holds work back):
                              tasks it trained on, which it dropped and why);
   * `rl.<run>.stats.*`       TrainStats, EvalStats (and whatever else decodes; the rest
                              is counted and skipped, never dead-lettered);
-  * `ctl.<run>.heartbeat.*`  Heartbeat: per-process CPU, memory, figures, waits.
+  * `ctl.<run>.heartbeat.*`  Heartbeat: per-process CPU, memory, figures, waits;
+  * `rl.<run>.review.*`      ReviewMark: a person's mark on a rollout (`reinforge ui`).
 Every `snapshot_interval_s` it also reads the run stream's consumers (messages pending
 and in flight per durable consumer = the queue depths).
 
 Outputs, under `<run_dir>/metrics/`: `metrics.jsonl` (records of kind start, scored,
-decision, weights, rollback, train, eval, snapshot), TensorBoard scalars in `tb/`, the newest
-`snapshot.json`; and `GET /metrics` (Prometheus text) and `GET /snapshot.json` on an HTTP
+decision, weights, rollback, train, eval, review, snapshot), TensorBoard scalars in `tb/`,
+the newest `snapshot.json`; and `GET /metrics` (Prometheus text) and `GET /snapshot.json` on an HTTP
 port written to `<run_dir>/monitor.json`.
 
 `MonitorState` is the bookkeeping without I/O (fed messages and clock readings, tested
@@ -45,6 +46,7 @@ from reinforge.core.messages import (
     Heartbeat,
     MessageError,
     Outcome,
+    ReviewMark,
     Rollback,
     ScoredRollout,
     TrainStats,
@@ -266,6 +268,12 @@ class MonitorState:
 
     def on_heartbeat(self, hb: Heartbeat, now: float) -> None:
         self.heartbeats[hb.actor_id] = (now, hb)
+
+    def on_review(self, mark: ReviewMark, now: float) -> dict[str, Any]:
+        return {"t": now, "kind": "review", "domain": mark.domain, "mark": mark.kind.value,
+                "rollout_id": mark.rollout_id, "version": mark.policy_version,
+                "recorded_reward": mark.recorded_reward,
+                "corrected_reward": mark.corrected_reward}
 
     def set_consumer_queues(self, depths: dict[str, float]) -> None:
         """Pending / in-flight counts of the run stream's durable consumers."""
@@ -554,6 +562,8 @@ class Monitor(Actor):
                   accepts=(GroupDecision,), durable=False),
             Input(subject=subjects.heartbeat(run), handler=self.on_heartbeat,
                   accepts=(Heartbeat,), durable=False),
+            Input(subject=subjects.review(run, "*"), handler=self.on_review,
+                  accepts=(ReviewMark,), durable=False),
         ]
 
     def capabilities(self) -> list[str]:
@@ -623,6 +633,9 @@ class Monitor(Actor):
 
     async def on_heartbeat(self, msg: Heartbeat) -> None:
         self.state.on_heartbeat(msg, time.time())
+
+    async def on_review(self, msg: ReviewMark) -> None:
+        self._write(self.state.on_review(msg, time.time()))
 
     async def _stats_loop(self, task_status: trio.TaskStatus[None]) -> None:
         """stats.* by hand: a stats struct this build does not know is skipped, not DLQ'd."""

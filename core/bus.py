@@ -491,13 +491,15 @@ class Bus:
 
     async def read_stream(
         self, stream: str, *, filter_subject: str = "", start_seq: int = 1, batch: int = 512,
-        stall_s: float = 30.0,
+        stall_s: float = 30.0, deadline_s: float = 60.0,
     ) -> AsyncIterator[Delivery]:
         """Every message stored from `start_seq` on when the read starts, in order (an
         ephemeral ordered read). An empty fetch is a wait, not the end: the read ends when
         the consumer has nothing pending. If no message comes for `stall_s` (the cluster
-        lost the consumer, say) it raises BusError: a partial read never passes as whole."""
-        info = await self.js_call(lambda: self._js.stream_info(stream), what=f"reading {stream}")
+        lost the consumer, say) it raises BusError: a partial read never passes as whole.
+        `deadline_s` bounds each JetStream call's retries (`js_call`)."""
+        info = await self.js_call(lambda: self._js.stream_info(stream), what=f"reading {stream}",
+                                  deadline_s=deadline_s)
         last = info.state.last_seq
         if last < start_seq:
             return
@@ -511,11 +513,12 @@ class Bus:
         psub = await self.js_call(
             lambda: self._js.pull_subscribe(filter_subject or ">", durable=None, stream=stream,
                                             config=config),
-            what=f"an ordered reader on {stream}",
+            what=f"an ordered reader on {stream}", deadline_s=deadline_s,
         )
         consumer = PullConsumer(self, psub)
         try:
-            pending = await self.js_call(psub.consumer_info, what=f"reading {stream}")
+            pending = await self.js_call(psub.consumer_info, what=f"reading {stream}",
+                                         deadline_s=deadline_s)
             if pending.num_pending == 0:
                 return
             read_to, heard_at = start_seq - 1, trio.current_time()

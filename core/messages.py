@@ -153,6 +153,9 @@ class ScoredRollout(_Msg, frozen=True, tag="scored/1"):
     checks: list[Check] = []
     reason: str = ""
     verifier_id: str = ""
+    output: str = ""
+    """What the candidate printed where it ran (a sandboxed program's output, its end),
+    for a person reading the rollout; never part of the reward."""
 
 
 class Fate(str, enum.Enum):
@@ -257,6 +260,9 @@ class ReviewMark(_Msg, frozen=True, tag="review/1"):
     reviewer: str = ""
     prompt: str = ""
     completion: str = ""
+    spec: dict[str, Any] = {}
+    """The task's spec (as the rollout carried it): with the prompt, the task itself, so a
+    reviewed problem can join a held-out set."""
 
 
 class Echo(_Msg, frozen=True, tag="echo/1"):

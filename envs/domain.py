@@ -68,6 +68,9 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     checks: list[Check] = []
     reason: str = ""
     """One line: why this reward."""
+    output: str = ""
+    """What the candidate printed (a sandboxed program's stdout and stderr, their end; at
+    most `OUTPUT_CHARS`), for people reading the rollout. Never part of the reward."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.reward <= 1.0:
@@ -79,6 +82,15 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"Verdict.outcome must be one of {known}, got {self.outcome!r}") from None
         if self.outcome is Outcome.INFRA_ERROR and self.reward != 0.0:
             raise ValueError("an infra_error verdict carries no reward (0.0)")
+
+
+OUTPUT_CHARS = 2000
+
+
+def output_tail(raw: bytes | str) -> str:
+    """The end of a candidate's output, as a Verdict carries it."""
+    text = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else raw
+    return text[-OUTPUT_CHARS:]
 
 
 def infra_error(reason: str, checks: Iterable[Check] = ()) -> Verdict:

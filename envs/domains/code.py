@@ -33,7 +33,15 @@ from typing import Any
 
 import msgspec
 from reinforge.envs.sandbox.runner import CodeRunner, RunnerInfraError
-from reinforge.envs.domain import Check, TaskSpec, Tier, Verdict, check_tier, infra_error
+from reinforge.envs.domain import (
+    Check,
+    TaskSpec,
+    Tier,
+    Verdict,
+    check_tier,
+    infra_error,
+    output_tail,
+)
 from reinforge.envs.tasksets import decode_row, load_jsonl
 
 HARNESS_PATH = Path(__file__).with_name("code_harness.py")
@@ -476,4 +484,5 @@ def verdict_from_output(nonce: str, out) -> Verdict:
         outcome=outcome,
         checks=checks,
         reason=str(result["reason"]),
+        output=output_tail(str(result.get("output", ""))),
     )

@@ -199,7 +199,10 @@ class ForkedWorker:
                 os.dup2(err_w, 2)
                 os.closerange(3, 1 << 16)
                 sys.stdin = open(0, "r", encoding="utf-8", closefd=False)
-                sys.stdout = sys.stderr = open(2, "w", encoding="utf-8", closefd=False)
+                # line-buffered, as a fresh interpreter's stderr: the worker is killed,
+                # never flushed, and what it printed is the verdict's `output`
+                sys.stdout = sys.stderr = open(2, "w", encoding="utf-8", closefd=False,
+                                               buffering=1)
                 worker_main()
             finally:
                 _exit(0)
@@ -232,7 +235,8 @@ class Proxy:
         self.stderr_tail = b""
         self.proc = proc
         self.buf = b""
-        threading.Thread(target=self._drain, daemon=True).start()
+        self._drainer = threading.Thread(target=self._drain, daemon=True)
+        self._drainer.start()
 
     def _drain(self):
         while True:
@@ -323,6 +327,12 @@ class Proxy:
         except OSError:
             pass
 
+    def output(self):
+        """The end of what the candidate printed (its prints go to the drained pipe), read
+        after `close`: the wait is bounded, as a child it left may hold the pipe open."""
+        self._drainer.join(0.5)
+        return self.stderr_tail.decode("utf-8", "replace")
+
 
 class HarnessUnsupported(BaseException):
     """The tests need something this harness cannot do (not the candidate's fault)."""
@@ -352,60 +362,68 @@ def _forget_stdin_file():
 
 def run_tests(job, worker=None):
     """Run the job's tests against its program in `worker` (default: a fresh interpreter);
-    (status, reason, checks, calls)."""
+    (status, reason, checks, calls, output), output being the end of what the candidate
+    printed."""
     deadline = time.monotonic() + float(job["timeout_s"])
-    entry = job["entry_point"]
-    proxy = Proxy(worker or worker_process(), entry, deadline)
+    proxy = Proxy(worker or worker_process(), job["entry_point"], deadline)
     checks = []
     try:
-        try:
-            proxy.load(job["program"])
-        except CandidateDied as exc:
-            status, _ = proxy.fatal
-            return status, str(exc), [["loads", False, str(exc)]], 0
-        checks.append(["loads", True, ""])
-        ns = {"__name__": "__tests__"}
-        try:  # the trusted task prompt: helpers the tests may use (e.g. HumanEval/32's poly)
-            exec(compile(job.get("prompt") or "", "prompt.py", "exec"), ns)
-        except Exception:
-            pass
-        for setup in job.get("setup") or []:
-            exec(compile(setup, "setup.py", "exec"), ns)
-        ns[entry] = proxy
-        ns["candidate"] = proxy
-        units = []
-        if job.get("test"):
-            units.append(("tests", job["test"], True))
-        for i, line in enumerate(job.get("test_list") or []):
-            units.append(("test[%d]" % i, line, False))
-        for name, code, is_check_module in units:
-            try:
-                exec(compile(code, name, "exec"), ns)
-                if is_check_module and callable(ns.get("check")):
-                    ns["check"](proxy)
-                ok, detail = True, ""
-            except CandidateDied as exc:
-                ok, detail = False, str(exc)
-            except HarnessUnsupported:
-                raise
-            except AssertionError as exc:
-                ok, detail = False, "assertion failed" + (": %s" % exc if str(exc) else "")
-            except Exception as exc:
-                ok, detail = False, "%s: %s" % (type(exc).__name__, str(exc)[:300])
-            checks.append([name, ok, detail])
-        if proxy.fatal is not None:
-            status, reason = proxy.fatal
-            return status, reason, checks, proxy.calls
-        if proxy.calls == 0:
-            return "error", "the tests never called the candidate", checks, 0
-        failed = [c for c in checks if not c[1]]
-        if failed:
-            return "fail", "%s: %s" % (failed[0][0], failed[0][2]), checks, proxy.calls
-        return "pass", "all tests passed", checks, proxy.calls
+        status, reason, calls = _run_units(job, proxy, checks)
     except HarnessUnsupported as exc:
-        return "error", str(exc), checks, proxy.calls
+        status, reason, calls = "error", str(exc), proxy.calls
     finally:
         proxy.close()
+    return status, reason, checks, calls, proxy.output()
+
+
+def _run_units(job, proxy, checks):
+    """The tests, each a check appended to `checks`; (status, reason, calls)."""
+    entry = job["entry_point"]
+    try:
+        proxy.load(job["program"])
+    except CandidateDied as exc:
+        status, _ = proxy.fatal
+        checks.append(["loads", False, str(exc)])
+        return status, str(exc), 0
+    checks.append(["loads", True, ""])
+    ns = {"__name__": "__tests__"}
+    try:  # the trusted task prompt: helpers the tests may use (e.g. HumanEval/32's poly)
+        exec(compile(job.get("prompt") or "", "prompt.py", "exec"), ns)
+    except Exception:
+        pass
+    for setup in job.get("setup") or []:
+        exec(compile(setup, "setup.py", "exec"), ns)
+    ns[entry] = proxy
+    ns["candidate"] = proxy
+    units = []
+    if job.get("test"):
+        units.append(("tests", job["test"], True))
+    for i, line in enumerate(job.get("test_list") or []):
+        units.append(("test[%d]" % i, line, False))
+    for name, code, is_check_module in units:
+        try:
+            exec(compile(code, name, "exec"), ns)
+            if is_check_module and callable(ns.get("check")):
+                ns["check"](proxy)
+            ok, detail = True, ""
+        except CandidateDied as exc:
+            ok, detail = False, str(exc)
+        except HarnessUnsupported:
+            raise
+        except AssertionError as exc:
+            ok, detail = False, "assertion failed" + (": %s" % exc if str(exc) else "")
+        except Exception as exc:
+            ok, detail = False, "%s: %s" % (type(exc).__name__, str(exc)[:300])
+        checks.append([name, ok, detail])
+    if proxy.fatal is not None:
+        status, reason = proxy.fatal
+        return status, reason, proxy.calls
+    if proxy.calls == 0:
+        return "error", "the tests never called the candidate", 0
+    failed = [c for c in checks if not c[1]]
+    if failed:
+        return "fail", "%s: %s" % (failed[0][0], failed[0][2]), proxy.calls
+    return "pass", "all tests passed", proxy.calls
 
 
 def harness_main(worker=None):
@@ -414,7 +432,7 @@ def harness_main(worker=None):
     hardened = _make_non_dumpable()
     out = sys.stdout
     sys.stdout = sys.stderr  # prints from the tests don't mix with the result line
-    status, reason, checks, calls = run_tests(job, worker)
+    status, reason, checks, calls, output = run_tests(job, worker)
     out.write(
         job["nonce"]
         + " "
@@ -425,6 +443,7 @@ def harness_main(worker=None):
                 "checks": checks,
                 "calls": calls,
                 "hardened": hardened,
+                "output": output,
             }
         )
         + "\n"

@@ -148,7 +148,7 @@ def run_check(check, task_dir, scratch):
         here = os.getcwd()
         os.chdir(scratch)
         try:
-            status, reason, _, _ = code_harness.run_tests(
+            status, reason, *_ = code_harness.run_tests(
                 {
                     "program": data.decode("utf-8", errors="replace"),
                     "prompt": "",

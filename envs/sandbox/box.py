@@ -119,6 +119,7 @@ import os
 import pwd
 import secrets
 import signal
+import socket
 import tarfile
 import threading
 import time
@@ -367,20 +368,31 @@ def connect(url: str | None = None, *, timeout_s: float = 30.0):
     import podman
 
     url = url or default_podman_url()
-    if url.startswith("unix://") and not os.path.exists(url[len("unix://") :]):
-        raise SandboxInfraError(
-            f"no Podman API socket at {url}: run scripts/setup_podman.sh (as root it creates "
-            "the sandbox user and starts the service), or set REINFORGE_PODMAN_URL"
-        )
+    fix = ("run scripts/setup_podman.sh (as root it creates the sandbox user and starts the "
+           "service), or set REINFORGE_PODMAN_URL")
+    if url.startswith("unix://"):
+        if not os.path.exists(url[len("unix://") :]):
+            raise SandboxInfraError(f"no Podman API socket at {url}: {fix}")
+        # Asked first with a socket of our own: a client's failed connection would sit in
+        # the reference cycles of its error chain, open until a garbage collection.
+        with socket.socket(socket.AF_UNIX) as probe:
+            probe.settimeout(timeout_s)
+            try:
+                probe.connect(url[len("unix://") :])
+            except OSError as exc:
+                raise SandboxInfraError(f"no Podman service answers at {url} "
+                                        f"({exc.strerror or exc}): {fix}") from None
     client = podman.PodmanClient(base_url=url, timeout=timeout_s)
     try:
-        if not client.ping():
-            raise SandboxInfraError(f"Podman API at {url} did not answer its ping")
-    except SandboxInfraError:
-        raise
+        answered = client.ping()
     except Exception as exc:  # requests/podman errors: the service is down
-        raise SandboxInfraError(f"Podman API at {url} is not answering: {exc}") from exc
-    return client
+        why = f"Podman API at {url} is not answering: {exc}"
+    else:
+        if answered:
+            return client
+        why = f"Podman API at {url} did not answer its ping"
+    client.close()
+    raise SandboxInfraError(why)
 
 
 def probe_limits(url: str | None = None, *, timeout_s: float = 30.0) -> LimitMechanism:

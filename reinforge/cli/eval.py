@@ -7,8 +7,8 @@ Starts the embedded rollout server on the checkpoint (a free port; or uses `--ur
 generates `samples` completions per held-out task in one request, verifies them locally
 with the domains, and prints one line per domain; with `--json` the table goes to stderr
 and stdout is one JSON object (the last line). The held-out sets are the evaluator actor's
-(`--seed`, `--tasks-per-tier`, `--heldout-file`), and `--train-file` runs the same
-contamination check first (exit 2 when it finds overlap). Code and terminal domains run
+(`--seed`, `--tasks-per-tier`, `--heldout-file`, `--review-set`), and `--train-file` runs the
+same contamination check first (exit 2 when it finds overlap). Code and terminal domains run
 their checks in the Podman sandbox pool.
 
 Two figures tell a skill from the answer prior: `answer_mode_share`, how often the policy's
@@ -47,6 +47,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=None, help="held-out seed (default: the run's)")
     p.add_argument("--heldout-file", action="append", default=[], metavar="DOMAIN=JSONL",
                    help="held-out tasks of a domain from a file (repeatable)")
+    p.add_argument("--review-set", action="append", default=[], metavar="JSONL",
+                   help="a review set (`reinforge log reviews`): its reviewed problems join "
+                        "the held-out sets (repeatable)")
     p.add_argument("--train-file", action="append", default=[], metavar="DOMAIN=JSONL",
                    help="training tasks to check the held-out sets against (repeatable)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -97,7 +100,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         tiers = [int(t) for t in args.tiers.split(",") if t.strip()]
         heldout = HeldOutConfig(
             tasks_per_tier=args.tasks_per_tier, tiers=tiers,
-            files=_pairs(args.heldout_file, "--heldout-file"),
+            files=_pairs(args.heldout_file, "--heldout-file"), review_sets=args.review_set,
             **({} if args.seed is None else {"seed": args.seed}),
         )
     except ValueError as exc:

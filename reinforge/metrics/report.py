@@ -151,6 +151,19 @@ def frontier(evals: list[Record]) -> dict[str, str]:
     return out
 
 
+def review_figures(marks: list[Record]) -> dict[str, Any]:
+    """A domain's review marks (`reinforge ui --review`): how many of each kind, on how many
+    rollouts, and the mean of (right reward - reward given)."""
+    return {
+        "review_marks": len(marks),
+        "reviewed_rollouts": len({r["rollout_id"] for r in marks}),
+        "marked_wrong_reward": sum(r["mark"] == "wrong_reward" for r in marks),
+        "marked_exploit": sum(r["mark"] == "exploit" for r in marks),
+        "review_correction_mean": _mean([float(r["corrected_reward"]) - float(r["recorded_reward"])
+                                         for r in marks]),
+    }
+
+
 def summarise(records: list[Record]) -> tuple[dict[str, Any], dict[str, dict[str, Any]],
                                               dict[str, dict[str, Any]], list[str]]:
     """The final figures: global, per domain, per process type; and what is missing."""
@@ -194,6 +207,8 @@ def summarise(records: list[Record]) -> tuple[dict[str, Any], dict[str, dict[str
         "staleness_mean": _mean(stale),
         "staleness_max": max(stale) if stale else None,
     }
+    marks = kinds.get("review", [])
+    figures["review_marks"] = len(marks)
     figures.update(logprob_gap_over_run(train))
     if train:
         for name, value in sorted(train[-1].get("figures", {}).items()):
@@ -201,7 +216,8 @@ def summarise(records: list[Record]) -> tuple[dict[str, Any], dict[str, dict[str
 
     domains: dict[str, dict[str, Any]] = {}
     places = frontier(evals)
-    names = sorted({r["domain"] for r in scored} | {r["domain"] for r in evals})
+    names = sorted({r["domain"] for r in scored} | {r["domain"] for r in evals}
+                   | {r["domain"] for r in marks})
     for d in names:
         rows = [r for r in scored if r["domain"] == d]
         sig = [r for r in rows if _is_signal(r)]
@@ -223,9 +239,10 @@ def summarise(records: list[Record]) -> tuple[dict[str, Any], dict[str, dict[str
             "eval_pass_at_k_last": dev[-1]["pass_at_k"] if dev else None,
             "eval_k": dev[-1].get("k") if dev else None,
             "frontier": places.get(d, "not evaluated"),
+            **review_figures([r for r in marks if r["domain"] == d]),
         }
         domains[d] = info
-        if not rows:
+        if not rows and dev:
             missing.append(f"domain {d}: evaluated but no training samples scored")
         if not dev and evals:
             missing.append(f"domain {d}: no evaluation stats")
@@ -503,6 +520,7 @@ FIGURE_LABELS = {
     "logp_mismatch_mean_nats": "rollout vs learner |Δlogp| (mean of steps, nats)",
     "logp_mismatch_max_nats": "rollout vs learner |Δlogp| (max, nats)",
     "tis_capped_share_mean": "TIS: share of tokens capped (mean of steps)",
+    "review_marks": "review marks (reinforge ui --review)",
 }
 
 PLOTS = [
@@ -546,6 +564,19 @@ def render_markdown(run: str, figures: dict[str, Any], domains: dict[str, dict[s
                 f"| {_arrow(v['tier_first'], v['tier_last'])} | {versions} "
                 f"| {_arrow(v['eval_pass_at_1_first'], v['eval_pass_at_1_last'])} "
                 f"| {_arrow(v['eval_pass_at_k_first'], v['eval_pass_at_k_last'])}{k} |")
+        lines.append("")
+    if figures.get("review_marks"):
+        lines += ["### Review marks", "",
+                  "Marks people made on rollouts in `reinforge ui --review`: a reward marked "
+                  "wrong, or a rollout flagged as an exploit; the correction is the right "
+                  "reward minus the one given, averaged.", "",
+                  "| domain | marks | rollouts | wrong reward | exploit | mean correction |",
+                  "|---|---|---|---|---|---|"]
+        for d, v in domains.items():
+            if v["review_marks"]:
+                lines.append(f"| {d} | {v['review_marks']} | {v['reviewed_rollouts']} "
+                             f"| {v['marked_wrong_reward']} | {v['marked_exploit']} "
+                             f"| {_fmt(v['review_correction_mean'])} |")
         lines.append("")
     places: dict[str, list[str]] = collections.defaultdict(list)
     for d, v in domains.items():

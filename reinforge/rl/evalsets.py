@@ -2,10 +2,10 @@
 
 A held-out set is either generated (a seed of its own, `tasks_per_tier` tasks per tier, no
 duplicates, never every prompt of a tier: see `build_heldout`) or read from a JSONL file per
-domain. Both the scheduler and the evaluator build it from the same `HeldOutConfig`: the
-evaluator scores on it, the scheduler never issues a training task whose prompt fingerprint
-is in it (disjoint by construction for generated domains, where a tier may have only ~100
-distinct tasks).
+domain; the problems of review sets join it. Both the scheduler and the evaluator build it
+from the same `HeldOutConfig`: the evaluator scores on it, the scheduler never issues a
+training task whose prompt fingerprint is in it (disjoint by construction for generated
+domains, where a tier may have only ~100 distinct tasks).
 
 The contamination check compares prompts by word n-grams (GPT-3's test, 13-grams, on
 lower-cased word/punctuation tokens):
@@ -44,6 +44,9 @@ class HeldOutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """domain -> JSONL file of held-out tasks, used instead of generating them."""
     tiers: list[int] = []
     """Only these tiers (empty: every tier of the domain)."""
+    review_sets: list[str] = []
+    """Review sets (`reinforge log reviews`): the problems people reviewed join the held-out
+    set of their domain (those of a domain or tier not evaluated are left out)."""
 
     def __post_init__(self) -> None:
         if self.tasks_per_tier < 0:
@@ -105,7 +108,32 @@ def build_heldout(
                 del held[len(held) // 2 :]
             tasks += held
         out[name] = tasks
+    for path in config.review_sets:
+        for task in reviewed_tasks(path):
+            held = out.get(task.domain)
+            if held is None or (config.tiers and task.tier not in config.tiers):
+                continue
+            if fingerprint(task.prompt) not in {fingerprint(t.prompt) for t in held}:
+                held.append(task)
     return out
+
+
+def reviewed_tasks(path: str) -> list[TaskSpec]:
+    """The tasks of a review set, one per row (TaskFileError names a row without one)."""
+    from reinforge.envs.tasksets import load_jsonl
+
+    def task_of(row: Mapping[str, Any], where: str) -> TaskSpec:
+        if not isinstance(row.get("task"), dict):
+            raise ValueError("no `task` in this row: not a review set from `reinforge log "
+                             "reviews` (or one exported before reviews carried their task)")
+        try:
+            task = msgspec.convert(row["task"], TaskSpec)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"task: {exc}") from None
+        return msgspec.structs.replace(task, task_id=f"reviewed-{task.task_id}",
+                                       source="jsonl")
+
+    return load_jsonl(path, task_of)
 
 
 def modal_references(domain: Any, tiers: Iterable[int], *, draws: int = 64,

@@ -47,6 +47,7 @@ def scored_from_verdict(
         checks=[Check(name=c.name, passed=c.passed, detail=c.detail) for c in verdict.checks],
         reason=reason,
         verifier_id=verifier_id,
+        output=verdict.output,
     )
 
 

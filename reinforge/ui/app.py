@@ -1,6 +1,7 @@
 """The run browser: an overview per domain, the rollouts with filters, one rollout with the
-verifier's checks, a task's groups across versions, the dead letters, and (with a `review`
-callback) a form on each rollout to mark its reward wrong or flag it as an exploit.
+verifier's checks and the program's output, a problem's groups across versions, the dead
+letters, and (with a `review` callback) a form on each rollout to mark its reward wrong or
+flag it as an exploit.
 
 Safe by default:
   * it binds to loopback and every page needs the token printed at start (`?token=...`,
@@ -19,6 +20,7 @@ import hashlib
 import html
 import math
 import secrets
+import time
 from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -33,7 +35,7 @@ from starlette.routing import Route
 
 from reinforge.core.messages import Review, ReviewMark, ScoredRollout
 from reinforge.envs.tools import decode_transcript
-from reinforge.ui.runlog import RunLog, problem_of
+from reinforge.ui.runlog import RunLog
 
 COOKIE = "reinforge_ui_token"
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src 'self'; form-action 'self'"
@@ -47,13 +49,13 @@ def e(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
-def page(title: str, body: str) -> HTMLResponse:
+def page(title: str, body: str, status_code: int = 200) -> HTMLResponse:
     nav = ('<p><a href="/">overview</a> · <a href="/rollouts">rollouts</a> · '
            '<a href="/dlq">dead letters</a></p>')
     doc = (f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title>"
            f"<style>{STYLE}</style></head><body>{nav}<h1>{e(title)}</h1>{body}</body></html>")
-    return HTMLResponse(doc, headers={"Content-Security-Policy": CSP,
-                                      "X-Content-Type-Options": "nosniff"})
+    headers = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff"}
+    return HTMLResponse(doc, status_code=status_code, headers=headers)
 
 
 def rollout_rows(items: list[ScoredRollout]) -> str:
@@ -71,6 +73,26 @@ def tier_mix(items: list[ScoredRollout]) -> str:
     """Each tier's share of `items`, e.g. "t0 25% · t1 75%" (the curriculum's mix)."""
     tiers = Counter(s.rollout.tier for s in items)
     return " · ".join(f"t{t} {100 * n / len(items):.0f}%" for t, n in sorted(tiers.items()))
+
+
+FILTERS = ("domain", "tier", "outcome", "version", "min_reward", "max_reward")
+
+
+class BadFilter(ValueError):
+    """A filter the rollout browser cannot apply; the text names it."""
+
+
+def reward_bound(name: str, text: str) -> float | None:
+    """A reward filter's bound ("" = none), or BadFilter naming it."""
+    if not text.strip():
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise BadFilter(f"{name}: a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise BadFilter(f"{name}: a finite number, got {text!r}")
+    return value
 
 
 class BadMark(ValueError):
@@ -96,7 +118,8 @@ def mark_from_form(s: ScoredRollout, form: dict[str, str], reviewer: str) -> Rev
     return ReviewMark(rollout_id=r.rollout_id, task_id=r.task_id, domain=r.domain, tier=r.tier,
                       policy_version=r.policy_version, kind=kind, recorded_reward=s.reward,
                       corrected_reward=corrected, note=form.get("note", "")[:2000],
-                      reviewer=reviewer, prompt=r.prompt, completion=r.completion)
+                      reviewer=reviewer, prompt=r.prompt, completion=r.completion,
+                      spec=dict(r.spec))
 
 
 def mark_id(mark: ReviewMark) -> str:
@@ -153,13 +176,23 @@ def build_app(log: RunLog, token: str, *,
                 f"{':' if rollbacks else '.'}</p>{f'<ul>{rollbacks}</ul>' if rollbacks else ''}"
                 f"<p>{len(log.dead_letters)} dead letters; {log.undecodable} records that "
                 "did not decode.</p>")
+        if log.unreadable:
+            since = time.strftime("%H:%M:%S", time.localtime(log.unreadable_since))
+            body = (f"<p><b>The run's stream cannot be read since {since}</b> (its nats-server "
+                    f"stopped?): {e(log.unreadable)}. Shown: what was read before; trying "
+                    "again every few seconds.</p>") + body
         return page("run overview", body)
 
     async def rollouts(request: Request) -> Response:
-        q = {k: request.query_params.get(k, "") for k in ("domain", "tier", "outcome",
-                                                          "version")}
-        items = log.select(**q)
-        form = "".join(f"{k} <input name='{k}' value='{e(v)}'> " for k, v in q.items())
+        q = {k: request.query_params.get(k, "") for k in FILTERS}
+        try:
+            bounds = {k: reward_bound(k, q[k]) for k in ("min_reward", "max_reward")}
+        except BadFilter as exc:
+            return page("rollouts", f"<p><b>{e(exc)}</b></p>", status_code=400)
+        items = log.select(**{k: q[k] for k in ("domain", "tier", "outcome", "version")},
+                           **bounds)
+        form = "".join(f"{k.replace('_', ' ')} <input name='{k}' value='{e(v)}' size='8'> "
+                       for k, v in q.items())
         body = (f"<form method='get' action='/rollouts'>{form}<button>filter</button></form>"
                 f"<p>{len(items)} of {len(log.scored)}</p>{rollout_rows(items[:500])}")
         return page("rollouts", body)
@@ -186,6 +219,8 @@ def build_app(log: RunLog, token: str, *,
                 f"<p>{len(r.output_ids)} output tokens, {masked} of them the environment's "
                 "(loss mask 0, greyed above)</p>"
                 f"<h2>checks</h2><table>{checks}</table>"
+                f"<h2>program output</h2>"
+                f"{f'<pre>{e(s.output)}</pre>' if s.output else '<p>none recorded</p>'}"
                 f"<h2>behaviour logprobs</h2><pre>{e(', '.join(f'{x:.3f}' for x in r.logprobs))}"
                 "</pre>")
         marks = log.marks_of.get(r.rollout_id, [])
@@ -218,13 +253,27 @@ def build_app(log: RunLog, token: str, *,
                                 status_code=303)
 
     async def task(request: Request) -> Response:
-        problem = problem_of(request.query_params.get("id", ""))
-        items = sorted(log.by_problem.get(problem, []),
+        problem = log.problem_of_task.get(request.query_params.get("id", ""))
+        if problem is None:
+            return page("no such task", "<p>not in this run's log</p>")
+        items = sorted(log.by_problem[problem],
                        key=lambda s: (s.rollout.policy_version, s.rollout.task_id,
                                       s.rollout.sample_index))
-        issues = len({s.rollout.task_id for s in items})
-        return page(f"task {problem}", f"<p>{issues} groups of this problem, by version</p>"
-                                       f"{rollout_rows(items)}")
+        groups: dict[str, list[ScoredRollout]] = defaultdict(list)
+        for s in items:
+            groups[s.rollout.task_id].append(s)
+        rows = "".join(
+            f"<tr><td>{e(tid)}</td><td>v{e(ss[0].rollout.policy_version)}</td>"
+            f"<td>{len(ss)}</td><td>{sum(s.outcome.value == 'pass' for s in ss)}</td>"
+            f"<td>{sum(s.reward for s in ss) / len(ss):.3f}</td></tr>"
+            for tid, ss in groups.items())
+        first = items[0].rollout
+        body = (f"<p>{len(groups)} groups of this problem ({e(first.domain)}, tier "
+                f"{e(first.tier)}), by version</p><pre>{e(first.prompt)}</pre>"
+                "<table><tr><th>group</th><th>version</th><th>samples</th><th>passed</th>"
+                f"<th>mean reward</th></tr>{rows}</table><h2>its rollouts</h2>"
+                f"{rollout_rows(items)}")
+        return page(f"task {first.task_id}", body)
 
     async def dlq(request: Request) -> Response:
         rows = "".join(f"<tr><td>{e(d.subject)}</td><td>{e(d.actor_id)}</td>"

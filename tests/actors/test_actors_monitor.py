@@ -304,7 +304,8 @@ def test_the_monitor_turns_bus_messages_into_jsonl_prometheus_and_tensorboard(
                             await trio.sleep(0.1)
                     jsonl = run_dir / "metrics" / "metrics.jsonl"
                     with trio.fail_after(30):
-                        while not any(r["kind"] == "decision" for r in mx.read_jsonl(jsonl)):
+                        while not {"decision", "review"} <= {r["kind"] for r in
+                                                             mx.read_jsonl(jsonl)}:
                             await trio.sleep(0.1)
                     resp = await trio.to_thread.run_sync(get, f"{url}/metrics")
                     missing = await trio.to_thread.run_sync(get, f"{url}/nothing")
@@ -369,6 +370,14 @@ def test_the_monitor_turns_bus_messages_into_jsonl_prometheus_and_tensorboard(
     assert {"reward_pass_rate.png", "eval.png", "processes.png"} <= set(report.plots)
     assert report.figures["samples_scored"] == 6 and report.figures["train_steps"] == 2
     assert report.domains["math"]["eval_pass_at_1_last"] == 0.5
+    # the review mark, counted per domain, on the page
+    assert report.figures["review_marks"] == 1
+    assert {k: report.domains["math"][k] for k in (
+        "review_marks", "marked_wrong_reward", "marked_exploit", "review_correction_mean")} == {
+        "review_marks": 1, "marked_wrong_reward": 1, "marked_exploit": 0,
+        "review_correction_mean": -0.75}
+    assert report.domains["code"]["review_marks"] == 0
+    assert "| math | 1 | 1 | 1 | 0 | -0.75 |" in Path(report.page).read_text()
 
 
 async def _started(monitor, run_dir: Path, task_status=trio.TASK_STATUS_IGNORED):
@@ -407,6 +416,9 @@ async def feed_run(bus, run: str) -> None:
     await bus.publish(subjects.heartbeat(run, "sampler-x"),
                       heartbeat("sampler-x", "sampler", cpu=120.0, rss=256 << 20,
                                 figures={"samples_per_s": 1.5, "generations_held": 2.0}))
+    await bus.publish_durable(subjects.review(run, "math"), m.ReviewMark(
+        rollout_id="math-1:0:1", task_id="math-1", domain="math", kind=m.Review.WRONG_REWARD,
+        recorded_reward=1.0, corrected_reward=0.25), "review:math-1:0:1")
 
 
 def test_a_hundred_domains_keep_series_for_the_busiest_and_one_other_for_the_rest():

@@ -156,13 +156,14 @@ def test_an_infra_error_verdict_keeps_zero_reward_and_says_how_often_it_was_trie
         assert getattr(scored.rollout, field) == getattr(good, field)
 
 
-def test_checks_of_the_domain_verdict_become_bus_checks():
+def test_checks_and_output_of_the_domain_verdict_go_on_the_bus():
     (good, _) = good_and_bad("math", 0)
-    verdict = Verdict(reward=1.0, outcome="pass", reason="ok",
+    verdict = Verdict(reward=1.0, outcome="pass", reason="ok", output="computed 42\n",
                       checks=[Check(name="answer", passed=True, detail="42 == 42")])
     scored = scored_from_verdict(good, verdict, verifier_id="v1", verify_s=0.0, attempts=1)
     assert scored.checks == [m.Check(name="answer", passed=True, detail="42 == 42")]
     assert scored.reason == "ok" and scored.outcome is m.Outcome.PASS
+    assert m.decode(m.encode(scored)).output == "computed 42\n"
 
 
 @pytest.mark.parametrize(

@@ -124,6 +124,15 @@ def test_known_good_completions_score_one(with_runner):
         assert (v.reward, v.outcome) == (1.0, "pass"), v
 
 
+def test_what_the_candidate_prints_comes_back_as_output_and_cannot_pass(with_runner):
+    printing = ('    print("x" * 5000, file=__import__("sys").stderr)\n'
+                '    print("sorting", xs)\n    return xs\n')
+    good, bad = verify_all(with_runner, _task(), [GOOD, printing])
+    assert (good.outcome, good.output) == ("pass", "")
+    assert bad.outcome == "fail" and bad.output.endswith("x\nsorting [1, 3, 2]\n")
+    assert len(bad.output) == 2000  # its end: 5000 x's and more were printed
+
+
 def test_generated_references_score_one_on_every_tier(with_runner):
     d = CodeDomain()
     tasks = [d.sample_task(random.Random(s), tier) for tier in range(4) for s in range(3)]

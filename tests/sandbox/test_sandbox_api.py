@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 import trio
@@ -112,6 +113,18 @@ def test_missing_image_is_an_infrastructure_error_that_says_how_to_fix_it(podman
 def test_dead_api_socket_is_an_infrastructure_error(tmp_path):
     with pytest.raises(SandboxInfraError, match="setup_podman"):
         Sandbox.start(SandboxConfig(podman_url=f"unix://{tmp_path}/none.sock"))
+
+
+def test_a_socket_nobody_serves_is_an_infrastructure_error_that_leaves_no_socket_open(tmp_path):
+    path = tmp_path / "podman.sock"
+    with socket.socket(socket.AF_UNIX) as bound:  # a stale socket: bound, nobody listening
+        bound.bind(str(path))
+
+        def refused():
+            with pytest.raises(SandboxInfraError, match="setup_podman"):
+                connect(f"unix://{path}", timeout_s=5)
+
+        assert unix_sockets_left_open_by(refused) == 0
 
 
 def test_arun_works_from_trio(box):

@@ -16,6 +16,8 @@ import httpx
 import pytest
 from ui_runs import EVIL, publish, scored
 
+from reinforge.envs.domain import DomainRegistry
+from reinforge.rl.evalsets import HeldOutConfig, build_heldout
 from reinforge.rl.reward_model import Graded, load_rows
 from reinforge.rl.sft import Demo, demos_from_jsonl
 
@@ -85,6 +87,17 @@ def test_a_mark_sent_from_the_page_is_stored_in_the_log_and_exported_as_a_review
     assert reinforge("log", "reviews", str(log), "-o", str(imitate), "--min-score", "1"
                      ).returncode == 0
     assert demos_from_jsonl(imitate) == [Demo("what is 3+3?", "#### 6")]
+
+    # the reviewed problems join the held-out sets, as tasks their domain verifies
+    registry = DomainRegistry.default()
+    sets = build_heldout(registry, ["math"], HeldOutConfig(tasks_per_tier=1, tiers=[1],
+                                                           review_sets=[str(every)]))
+    reviewed = [t for t in sets["math"] if t.task_id.startswith("reviewed-")]
+    assert [(t.task_id, t.tier, t.prompt) for t in reviewed] == [
+        ("reviewed-2+2", 1, "what is 2+2?"), ("reviewed-3+3", 1, "what is 3+3?")]
+    assert len(sets["math"]) == 3  # and the one generated task of tier 1
+    math = registry.get("math")
+    assert [math.score(t, "#### 4").reward for t in reviewed] == [1.0, 0.0]
 
 
 def test_a_bad_review_form_is_refused_naming_what_is_wrong(page):

@@ -22,9 +22,11 @@ EVIL = "<script>alert('x')</script><img src=x onerror=alert(1)><b>bold</b>"
 
 
 def scored(task: str, reward: float, completion: str, domain: str = "math",
-           version: int = 2) -> m.ScoredRollout:
+           version: int = 2, answer: str = "?") -> m.ScoredRollout:
+    question = f"what is {task.split('@')[0]}?"
     r = m.Rollout(rollout_id=f"{task}:0:1", task_id=task, sample_index=0, domain=domain,
-                  tier=1, prompt=f"what is {task.split('@')[0]}?", completion=completion,
+                  tier=1, prompt=question, completion=completion,
+                  spec={"question": question, "answer": answer},
                   output_ids=[5, 6], logprobs=[-0.1, -0.2], policy_version=version)
     return m.ScoredRollout(rollout=r, reward=reward,
                            outcome=m.Outcome.PASS if reward else m.Outcome.FAIL, reason="checked")
