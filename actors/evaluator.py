@@ -23,6 +23,11 @@ the regression guard that rolls a bad version back.
   p < `drop_alpha` (a test on counts, not a threshold on noisy pass rates), triggers a
   `Rollback` to the last good version (msg_id f"rollback:{to}:{bad}"); it is said loudly on
   stderr. Without a good version to go back to, it says so and publishes nothing.
+* Over-optimisation: in a domain whose verdicts carry a `gold` check (a rule its learned
+  reward only approximates), a version whose mean reward rose against the baseline while
+  its gold pass rate fell (the same sign test, at p < `gold_alpha`) is rolled back too: the
+  policy learnt to please the reward model, not the rule. `reward_mean` and
+  `gold_pass_rate` are in each EvalStats' figures, so the report shows proxy against gold.
 * Many domains: `domains_per_version` evaluates that many per version, in a fixed
   rotation, so each domain is seen at least every ceil(D / domains_per_version) evaluated
   versions.
@@ -51,14 +56,20 @@ from reinforge.rl.evalsets import (
 )
 from reinforge.rl.episodes import domain_tools, run_episode
 from reinforge.rl.prompts import task_prompt_ids
-from reinforge.rl.scoring import DomainScore, answer_signature, drop_test, score_domain
+from reinforge.rl.scoring import (
+    DomainScore,
+    answer_signature,
+    drop_test,
+    paired_delta,
+    score_domain,
+)
 from reinforge.core import paths, subjects
 from reinforge.core.actor import Actor, Input
 from reinforge.core.atomic import write_json_atomic
 from reinforge.core.weights import WeightsUnavailable, fetched_weights_dir, local_weights
 from reinforge.core.messages import EvalStats, Rollback, Task, WeightsPublished, decode
 from reinforge.engine.tokenizer import load_tokenizer
-from reinforge.envs.domain import TaskSpec
+from reinforge.envs.domain import TaskSpec, gold_of
 from reinforge.envs.tools import episode_counts, policy_turns
 
 
@@ -81,6 +92,14 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     shared held-out tasks gives p below this (0: no such guard)."""
     drop_margin: float = 0.05
     """... and the mean fall is larger than this."""
+    reward_model: str | list[str] = ""
+    """A reward model directory, or an ensemble's: rm-synthetic is scored with it (as the
+    verifier's `reward_model`)."""
+    reward_model_spread_penalty: float = 1.0
+    gold_alpha: float = 0.05
+    """Domains with a gold check: a version whose reward rose while its gold pass rate fell
+    against the baseline (sign test p below this, a fall larger than `drop_margin`) is
+    rolled back (0: no such guard)."""
     domains_per_version: int = 0
     """Domains evaluated per version, in rotation (0: every domain every time)."""
     every_versions: int = 1
@@ -121,10 +140,13 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
                              f"samples={n}")
         if self.every_versions < 1 or self.concurrency < 1:
             raise ValueError("EvaluatorConfig: every_versions and concurrency must be >= 1")
-        if not 0.0 <= self.drop_alpha < 1.0 or self.drop_margin < 0 or \
-                self.domains_per_version < 0:
-            raise ValueError("EvaluatorConfig: need 0 <= drop_alpha < 1, drop_margin >= 0 and "
-                             "domains_per_version >= 0")
+        if not (0.0 <= self.drop_alpha < 1.0 and 0.0 <= self.gold_alpha < 1.0) or \
+                self.drop_margin < 0 or self.domains_per_version < 0:
+            raise ValueError("EvaluatorConfig: need 0 <= drop_alpha < 1, 0 <= gold_alpha < 1, "
+                             "drop_margin >= 0 and domains_per_version >= 0")
+        if self.reward_model_spread_penalty < 0:
+            raise ValueError("EvaluatorConfig.reward_model_spread_penalty must be >= 0, got "
+                             f"{self.reward_model_spread_penalty}")
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -171,6 +193,8 @@ async def evaluate_sets(
 
     limiter = trio.CapacityLimiter(concurrency)
     results: dict[str, list[list[bool | None]]] = {d: [[] for _ in ts] for d, ts in sets.items()}
+    rewards: dict[str, list[list[float]]] = {d: [[] for _ in ts] for d, ts in sets.items()}
+    golds: dict[str, list[list[bool]]] = {d: [[] for _ in ts] for d, ts in sets.items()}
     answers: dict[str, list[str]] = {d: [] for d in sets}
     rejected: dict[str, int] = dict.fromkeys(sets, 0)
     episodes: dict[str, list[tuple[int, int, int]]] = {d: [] for d in sets}
@@ -191,6 +215,9 @@ async def evaluate_sets(
                 verdict = await domains[name].verify(task, text)
                 row.append(None if verdict.outcome == "infra_error" else verdict.outcome == "pass")
                 if verdict.outcome != "infra_error":
+                    rewards[name][i].append(verdict.reward)
+                    if (gold := gold_of(verdict)) is not None:
+                        golds[name][i].append(gold)
                     said = policy_turns(text)[-1:] if tools else [text]  # a final turn
                     answers[name].append(answer_signature(said[0] if said else ""))
             results[name][i] = row
@@ -202,7 +229,8 @@ async def evaluate_sets(
                     nursery.start_soon(one, name, i, task)
     return {name: with_episode_figures(
                 score_domain(name, rows, k, rejected_tasks=rejected[name],
-                             task_ids=[t.task_id for t in sets[name]], answers=answers[name]),
+                             task_ids=[t.task_id for t in sets[name]], answers=answers[name],
+                             rewards=rewards[name], golds=golds[name]),
                 episodes[name])
             for name, rows in results.items()}
 
@@ -250,10 +278,18 @@ class GoodVersion(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Baseline(msgspec.Struct, frozen=True, kw_only=True):
-    """A domain's per-task pass@1 at the last good version that evaluated it."""
+    """A domain's per-task pass@1 (and mean reward and gold pass rate) at the last good
+    version that evaluated it."""
 
     version: int
     task_pass_at_1: dict[str, float]
+    task_reward: dict[str, float] = {}
+    task_gold: dict[str, float] = {}
+
+    @classmethod
+    def of(cls, version: int, score: DomainScore) -> Baseline:
+        return cls(version=version, task_pass_at_1=score.task_pass_at_1,
+                   task_reward=score.task_reward, task_gold=score.task_gold)
 
 
 def regression_rollback(
@@ -265,10 +301,13 @@ def regression_rollback(
     baselines: Mapping[str, Baseline] | None = None,
     drop_alpha: float = 0.0,
     drop_margin: float = 0.0,
+    gold_alpha: float = 0.0,
 ) -> tuple[list[str], Rollback | None]:
     """(domains that regressed, the Rollback to publish or None). A domain regresses when
     it is below its threshold, or (with `drop_alpha` > 0) its pass@1 fell against its
-    baseline by more than `drop_margin` with a sign test at p < `drop_alpha`.
+    baseline by more than `drop_margin` with a sign test at p < `drop_alpha`, or (with
+    `gold_alpha` > 0, in a domain with a gold check) its mean reward rose while its gold
+    pass rate fell by more than `drop_margin`, sign test p < `gold_alpha`: over-optimised.
 
     A domain without verified tasks is not judged. No rollback without a good version older
     than this one."""
@@ -285,6 +324,14 @@ def regression_rollback(
                 why[d] = (f"{d} pass@1 fell {-t.delta:.3f} since v{base.version} on "
                           f"{t.n_tasks} tasks ({t.worse} worse, {t.better} better; sign test "
                           f"p={t.p_value:.2g})")
+        if gold_alpha and base is not None and base.version < version and d not in why:
+            g = drop_test(base.task_gold, s.task_gold)
+            proxy = paired_delta(base.task_reward, s.task_reward)
+            if g.p_value < gold_alpha and g.delta < -drop_margin and proxy > 0:
+                why[d] = (f"{d} over-optimised: its reward rose {proxy:+.3f} while its gold "
+                          f"pass rate fell {-g.delta:.3f} since v{base.version} on "
+                          f"{g.n_tasks} tasks ({g.worse} worse, {g.better} better; sign test "
+                          f"p={g.p_value:.2g})")
     flagged = sorted(why)
     if not flagged or last_good is None or last_good.version >= version:
         return flagged, None
@@ -390,6 +437,10 @@ class Evaluator(Actor):
 
         cfg: EvaluatorConfig = self.config
         self.registry = DomainRegistry.default()
+        if cfg.reward_model:
+            from reinforge.envs.domains.reward_model import attach_reward_model
+
+            attach_reward_model(self.registry, cfg.reward_model, cfg.reward_model_spread_penalty)
         self.domain_names = self.registry.resolve(cfg.domains, where="EvaluatorConfig.domains")
         self.domains = {d: self.registry.get(d) for d in self.domain_names}
         self.sets = first_per_tier(build_heldout(self.registry, self.domain_names, cfg.heldout),
@@ -545,13 +596,12 @@ class Evaluator(Actor):
         below, rollback = regression_rollback(
             msg.version, scores, cfg.thresholds, self.state.last_good,
             baselines=self.state.baselines, drop_alpha=cfg.drop_alpha,
-            drop_margin=cfg.drop_margin)
+            drop_margin=cfg.drop_margin, gold_alpha=cfg.gold_alpha)
         if not below:
             self.state.last_good = GoodVersion(version=msg.version, path=msg.path)
             for d, s in scores.items():
                 if s.n_tasks:
-                    self.state.baselines[d] = Baseline(version=msg.version,
-                                                       task_pass_at_1=s.task_pass_at_1)
+                    self.state.baselines[d] = Baseline.of(msg.version, s)
             return
         if rollback is None:
             loud(f"version {msg.version} regressed in {', '.join(below)}, and there "

@@ -56,9 +56,11 @@ class VerifierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     judge_url: str = ""
     """SGLang-compatible judge server for the judge domain; "" = env REINFORGE_JUDGE_URL,
     else the rule judge."""
-    reward_model: str = ""
-    """A reward model directory (`reinforge rm train`): attaches the rm-synthetic domain
-    (`envs/domains/reward_model.py`) scored by it."""
+    reward_model: str | list[str] = ""
+    """A reward model directory (`reinforge rm train`), or several (an ensemble): attaches
+    the rm-synthetic domain (`envs/domains/reward_model.py`) scored by it."""
+    reward_model_spread_penalty: float = 1.0
+    """An ensemble's reward is sigmoid(mean - this x std) of its models' scores."""
     infra_attempts: int = 3
     """Verifications of one rollout while the outcome is infra_error, before it is published."""
     infra_retry_delay_s: float = 1.0
@@ -82,6 +84,9 @@ class VerifierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         for name, n in self.resource_limits.items():
             if n < 1:
                 raise ValueError(f"VerifierConfig.resource_limits[{name!r}] must be >= 1, got {n}")
+        if self.reward_model_spread_penalty < 0:
+            raise ValueError("VerifierConfig.reward_model_spread_penalty must be >= 0, got "
+                             f"{self.reward_model_spread_penalty}")
 
 
 def resource_limits(config: VerifierConfig) -> dict[str, int]:
@@ -106,9 +111,10 @@ class VerifierActor(Actor):
 
             self.registry.attach(JudgeDomain(config=JudgeConfig(judge_url=config.judge_url)))
         if config.reward_model:
-            from reinforge.envs.domains.reward_model import RewardModelDomain
+            from reinforge.envs.domains.reward_model import attach_reward_model
 
-            self.registry.attach(RewardModelDomain(model_path=config.reward_model))
+            attach_reward_model(self.registry, config.reward_model,
+                                config.reward_model_spread_penalty)
         self.named_domains = self.registry.resolve(config.domains, where="VerifierConfig.domains")
         self.domain_names = self.named_domains or self.registry.names()
         self.limits = ResourceLimits(resource_limits(config))

@@ -84,6 +84,17 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("an infra_error verdict carries no reward (0.0)")
 
 
+GOLD_CHECK = "gold"
+"""The name of a check that is a gold signal: a rule the reward only approximates (a learned
+reward model's domain), reported and never rewarded. The evaluator follows it next to the
+reward, and rolls back a version whose reward rose while its gold fell."""
+
+
+def gold_of(verdict: Verdict) -> bool | None:
+    """The verdict's gold check, when its domain has one."""
+    return next((c.passed for c in verdict.checks if c.name == GOLD_CHECK), None)
+
+
 OUTPUT_CHARS = 2000
 
 
@@ -240,6 +251,7 @@ BUILTIN_DOMAINS: tuple[tuple[str, str], ...] = (
 
 BUILTIN_FAMILIES: tuple[tuple[str, str], ...] = (
     ("gym-", "reinforge.envs.domains.gym:gym_domains"),
+    ("rm-", "reinforge.envs.domains.reward_model:rm_domains"),
 )
 """Families of domains named by a prefix, loaded only when a name of theirs is asked for
 (or every name is): `MODULE:FUNCTION` returns {name: domain or factory}."""

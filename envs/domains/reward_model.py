@@ -6,14 +6,20 @@ verifier scores a completion with the reward model given in its config (`reward_
 DIR`), in its own process: the reward is sigmoid(score), the outcome `pass` from 0.5. A
 reward model that is not configured, missing or broken gives `infra_error`, never a 0.
 
-The hidden rule itself is reported as a check (`gold`) and never enters the reward: the
-gold signal against which a policy that learns to please the reward model, not to follow
-the rule, shows up.
+An ensemble (`reward_model = [DIR, DIR, ...]`) scores with each model and rewards
+sigmoid(mean - spread_penalty x std) of their scores: where the models disagree, as they do
+off the data they were trained on, where a policy exploiting one of them goes, the reward is
+held down.
 
-Not a built-in (one tier, and it needs a model): a run attaches it by spec,
-`rm-synthetic=reinforge.envs.domains.reward_model:RewardModelDomain` in the scheduler's
-`domain_specs` and the sampler's `extra_domains`; the verifier's `reward_model = DIR`
-attaches it with its model.
+The hidden rule itself is reported as a check (`gold`, `GOLD_CHECK`) and never enters the
+reward: the gold signal against which a policy that learns to please the reward model, not
+to follow the rule, shows up (the evaluator rolls back a version whose reward rose while its
+gold fell).
+
+Not among "every domain" (one tier, and it needs a model): a family (`rm_domains`) the
+registry loads when its name is asked for, whose verdicts without a model are infra_error.
+The verifier's and the evaluator's `reward_model = DIR` (and `reinforge eval
+--reward-model DIR`) attach it with its model (`attach_reward_model`).
 
 JSONL row schema: {"prompt": "..."} (optional "task_id", "tier", "reference").
 """
@@ -23,12 +29,20 @@ from __future__ import annotations
 import math
 import random
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
-from reinforge.envs.domain import Check, TaskSpec, Tier, Verdict, check_tier, infra_error
+from reinforge.envs.domain import (
+    GOLD_CHECK,
+    Check,
+    TaskSpec,
+    Tier,
+    Verdict,
+    check_tier,
+    infra_error,
+)
 from reinforge.envs.tasksets import decode_row, load_jsonl
 
 
@@ -48,10 +62,15 @@ class RewardModelDomain:
     multi_turn = False
     tiers = (Tier(level=0, name="describe", description="describe a thing, naming its colour"),)
 
-    def __init__(self, *, model_path: str = "") -> None:
-        self.model_path = model_path
+    def __init__(self, *, model_path: str | Sequence[str] = "",
+                 spread_penalty: float = 1.0) -> None:
+        paths = [model_path] if isinstance(model_path, str) else list(model_path)
+        self.model_paths = [p for p in paths if p]
+        if spread_penalty < 0:
+            raise ValueError(f"spread_penalty must be >= 0, got {spread_penalty}")
+        self.spread_penalty = spread_penalty
         self._lock = threading.Lock()
-        self._loaded: tuple[Any, Any, int] | None = None
+        self._loaded: dict[str, tuple[Any, Any, int]] = {}
 
     def sample_task(self, rng: random.Random, tier: int) -> TaskSpec:
         from reinforge.rl.reward_model import synthetic_pairs
@@ -78,30 +97,57 @@ class RewardModelDomain:
 
         from reinforge.rl.reward_model import follows_rule
 
-        if not self.model_path:
+        if not self.model_paths:
             return infra_error("no reward model configured (the verifier's `reward_model`)")
-        try:
-            score = await trio.to_thread.run_sync(self.score, task.prompt, completion)
-        except Exception as exc:  # a missing or broken model is ours, not the answer's
-            return infra_error(f"reward model {self.model_path}: {type(exc).__name__}: {exc}")
+        each: list[float] = []
+        for path in self.model_paths:
+            try:
+                each.append(await trio.to_thread.run_sync(self.score, path, task.prompt,
+                                                          completion))
+            except Exception as exc:  # a missing or broken model is ours, not the answer's
+                return infra_error(f"reward model {path}: {type(exc).__name__}: {exc}")
+        score = ensemble_score(each, self.spread_penalty)
         reward = 1.0 / (1.0 + math.exp(-score))
         gold = follows_rule(task.prompt, completion)
+        detail = f"{score:.4f}" if len(each) == 1 else (
+            f"{score:.4f} = mean - {self.spread_penalty:g} x std of "
+            f"{', '.join(f'{x:.4f}' for x in each)}")
         return Verdict(
             reward=reward, outcome="pass" if reward >= 0.5 else "fail",
-            checks=[Check(name="rm_score", passed=reward >= 0.5, detail=f"{score:.4f}"),
-                    Check(name="gold", passed=gold, detail="the hidden rule (not rewarded)")],
+            checks=[Check(name="rm_score", passed=reward >= 0.5, detail=detail),
+                    Check(name=GOLD_CHECK, passed=gold, detail="the hidden rule (not rewarded)")],
             reason=f"reward model score {score:.3f}")
 
-    def score(self, prompt: str, completion: str) -> float:
-        """The reward model's score of `completion` (its forward pass; loaded once)."""
+    def score(self, path: str, prompt: str, completion: str) -> float:
+        """The score of `completion` by the reward model at `path` (its forward pass; each
+        model loaded once)."""
         import torch
 
         from reinforge.rl.reward_model import encode, load_scorer, scores
 
         with self._lock:
-            if self._loaded is None:
-                tok, model, pad = load_scorer(self.model_path)
-                self._loaded = (tok, model.eval(), pad)
-            tok, model, pad = self._loaded
+            if path not in self._loaded:
+                tok, model, pad = load_scorer(path)
+                self._loaded[path] = (tok, model.eval(), pad)
+            tok, model, pad = self._loaded[path]
             with torch.no_grad():
                 return float(scores(model, [encode(tok, prompt, completion)], pad)[0])
+
+
+def rm_domains() -> dict[str, Any]:
+    """The `rm-` family: the domains scored by a reward model (no model attached yet)."""
+    return {RewardModelDomain.name: RewardModelDomain}
+
+
+def attach_reward_model(registry: Any, model_path: str | Sequence[str],
+                        spread_penalty: float = 1.0) -> None:
+    """Make `registry`'s rm-synthetic score with the reward model(s) at `model_path`."""
+    registry.attach(RewardModelDomain(model_path=model_path, spread_penalty=spread_penalty))
+
+
+def ensemble_score(scores: Sequence[float], spread_penalty: float) -> float:
+    """The ensemble's score: mean minus `spread_penalty` x the population std (one model:
+    its score). Worked example: (1, 3), penalty 1 -> 2 - 1 = 1."""
+    mean = sum(scores) / len(scores)
+    std = math.sqrt(sum((x - mean) ** 2 for x in scores) / len(scores))
+    return mean - spread_penalty * std

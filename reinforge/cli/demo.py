@@ -70,6 +70,12 @@ SUITE_CONTAMINATION_OVERLAP = 0.95
 SUITE_MAX_SAMPLE_S = 0.5  # a family slower to make one task stalls the scheduler (sokoban: 9 s)
 SUITE_EVAL_TASKS_PER_TIER = 4
 SUITE_GUARD_DOMAINS_PER_VERSION = 10
+# `--suite rm`: rm-synthetic, rewarded by a reward model trained first (on the tiny policy:
+# a few minutes here), with the evaluator's gold guard. It needs more held-out tasks than
+# the forgetting guard's 4 per tier: its sign test on one tier's tasks can say p < 0.05
+# only from 5 tasks that all fell.
+RM_GUARD_TASKS = 12
+RM_GUARD_EVERY = 10
 
 
 def made_here(model: str) -> bool:
@@ -89,6 +95,8 @@ def with_policy_defaults(args: argparse.Namespace) -> argparse.Namespace:
     }
     unset = {k: v[0] if tiny else v[1] for k, v in defaults.items()
              if getattr(args, k, None) is None}
+    if getattr(args, "guard_every", None) is None:
+        unset["guard_every"] = RM_GUARD_EVERY if getattr(args, "suite", "") == "rm" else 25
     return argparse.Namespace(**{**vars(args), **unset})
 
 
@@ -101,9 +109,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--run", default="demo", help="run name (default: demo)")
     p.add_argument("--domains", default=DEFAULT_DOMAINS,
                    help=f"comma-separated domains (default: {DEFAULT_DOMAINS})")
-    p.add_argument("--suite", choices=["gym"], default="",
-                   help="instead of --domains: every reasoning-gym family (gym-*) whose tier-0 "
-                        f"prompts fit {SUITE_MAX_PROMPT_TOKENS} tokens, evaluated on tier 0")
+    p.add_argument("--suite", choices=["gym", "rm"], default="",
+                   help="instead of --domains: gym, every reasoning-gym family (gym-*) whose "
+                        f"tier-0 prompts fit {SUITE_MAX_PROMPT_TOKENS} tokens, evaluated on "
+                        "tier 0; rm, rm-synthetic, rewarded by a reward model trained first "
+                        "(`reinforge rm train`), its hidden rule followed as the gold signal")
+    p.add_argument("--planted-exploit", action="store_true",
+                   help="with --suite rm: the reward model prefers answers too long for the "
+                        "rule (a known exploit): the evaluator should roll back the versions "
+                        "that please it while the gold falls")
     p.add_argument("--group-size", type=int, default=4, help="samples per task (GRPO group)")
     p.add_argument("--learning-rate", type=float, default=None,
                    help=f"the learner's (default {PRETRAINED_LEARNING_RATE:g}; "
@@ -130,8 +144,9 @@ def register(subparsers: Any) -> None:
                    help="steps of the SFT warm start on the domains' reference answers "
                         f"(default {PRETRAINED_SFT_STEPS}; {TINY_SFT_STEPS} with --model tiny "
                         "or wide; 0: start from the model as it is)")
-    p.add_argument("--guard-every", type=int, default=25,
-                   help="the forgetting guard evaluates every N-th version (default 25)")
+    p.add_argument("--guard-every", type=int, default=None,
+                   help="the forgetting guard evaluates every N-th version (default 25; "
+                        f"{RM_GUARD_EVERY} with --suite rm)")
     p.add_argument("--tis-cap", type=float, default=2.0,
                    help="the learner's truncated importance-sampling cap (0: off, the plain "
                         "clipped ratio to the behaviour logprobs)")
@@ -257,7 +272,8 @@ def ensure_models(home: Path, domains: list[str], sft_steps: int,
 
 
 def evaluate(model: Path, domains: list[str], k: int, tasks_per_tier: int,
-             tiers: list[int] | None = None, *, answer_prior: bool = True) -> dict[str, Any]:
+             tiers: list[int] | None = None, *, answer_prior: bool = True,
+             reward_model: str = "") -> dict[str, Any]:
     """pass@1 and pass@k on the held-out sets, every tier of each domain (the curriculum
     may train any of them) or `tiers`, each task's pass@1 kept for the paired comparison;
     the constant answer's scores too, unless `answer_prior` is off (they do not depend on
@@ -266,6 +282,7 @@ def evaluate(model: Path, domains: list[str], k: int, tasks_per_tier: int,
                     "--k", str(k), "--tasks-per-tier", str(tasks_per_tier),
                     *(("--tiers", ",".join(map(str, tiers))) if tiers else ()),
                     *(() if answer_prior else ("--no-answer-prior",)),
+                    *(("--reward-model", reward_model) if reward_model else ()),
                     "--max-new-tokens", str(max_new_tokens(domains)), "--json", capture=True,
                     timeout_s=1800)
     if out.returncode != 0:
@@ -277,7 +294,8 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
                    args: argparse.Namespace, *, max_staleness: int = 2,
                    heldout_per_tier: int = 4, guard: dict[str, float] | None = None,
                    heldout_tiers: list[int] | None = None, guard_rotation: int = 0,
-                   start_pass_rates: dict[str, list[float]] | None = None) -> str:
+                   start_pass_rates: dict[str, list[float]] | None = None,
+                   reward_model: str = "") -> str:
     """The TOML `reinforge up` runs. Sized for 2 CPU cores. `max_staleness=0` makes the
     actors take turns (generate, verify, train, each waiting for the last): the synchronous
     baseline of `bench/rl_throughput.py`.
@@ -288,7 +306,9 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
     `args.guard_every` versions it scores the policy on the first GUARD_TASKS_PER_TIER of
     those held-out tasks and rolls back a version that falls below its floor.
     `start_pass_rates` (domain -> the starting policy's pass@1 on tiers 0, 1, ...) starts
-    each domain's curriculum at the easiest tier it has not solved yet."""
+    each domain's curriculum at the easiest tier it has not solved yet. `reward_model` scores
+    rm-synthetic, in the verifier and in the evaluator, whose gold guard then watches it on
+    RM_GUARD_TASKS held-out tasks per tier."""
     from reinforge.envs.domain import DomainRegistry
 
     args = with_policy_defaults(args)
@@ -303,10 +323,12 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
     # family overlap in most 13-grams, so only near-identical prompts count as contamination.
     suite_overlap = f", contamination_min_overlap = {SUITE_CONTAMINATION_OVERLAP}" \
         if guard_rotation else ""
+    rm = f", reward_model = {json.dumps(reward_model)}" if reward_model else ""
+    guard_tasks = RM_GUARD_TASKS if reward_model else GUARD_TASKS_PER_TIER
     evaluator = "" if guard is None else f"""
 [[actors]]
 spec = "reinforge.actors.evaluator:Evaluator"
-config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], k = 2, every_versions = {args.guard_every}, score_per_tier = {GUARD_TASKS_PER_TIER}, thresholds = {{ {", ".join(f"{json.dumps(d)} = {v:.4f}" for d, v in guard.items())} }}, max_new_tokens = {new_tokens}, concurrency = 2, sandbox_pool_size = 1, domains_per_version = {guard_rotation}{suite_overlap} }}
+config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], k = 2, every_versions = {args.guard_every}, score_per_tier = {guard_tasks}, thresholds = {{ {", ".join(f"{json.dumps(d)} = {v:.4f}" for d, v in guard.items())} }}, max_new_tokens = {new_tokens}, concurrency = 2, sandbox_pool_size = 1, domains_per_version = {guard_rotation}{suite_overlap}{rm} }}
 """
     lora = (f", lora = {{ r = {args.lora_rank}, alpha = {2.0 * args.lora_rank} }}"
             if args.lora_rank else "")
@@ -337,7 +359,7 @@ config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], max_new_to
 
 [[actors]]
 spec = "reinforge.actors.verifier:VerifierActor"
-config = {{ domains = [{dlist}], sandbox_pool_size = {SANDBOX_POOL_SIZE} }}
+config = {{ domains = [{dlist}], sandbox_pool_size = {SANDBOX_POOL_SIZE}{rm} }}
 
 [[actors]]
 spec = "reinforge.actors.learner:Learner"
@@ -388,6 +410,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from reinforge.cli import UserError
     from reinforge.core import paths
 
+    if args.planted_exploit and args.suite != "rm":
+        raise UserError("--planted-exploit goes with --suite rm (it plants the exploit in the "
+                        "reward model)")
     t0 = time.time()
     exit_on_sigterm()  # a `timeout` or `kill` of the demo stops its evaluation and its cluster
     args = with_policy_defaults(args)
@@ -403,7 +428,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.lora_rank < 0:
         raise UserError(f"--lora-rank must be >= 0 (0: no LoRA), got {args.lora_rank}")
     left_out: dict[str, str] = {}
-    if args.suite:
+    rm_dir, rm_summary = "", {}
+    if args.suite == "rm":
+        domains = sft_domains = ["rm-synthetic"]
+        rm_dir, rm_summary = ensure_reward_model(paths.home(), args.planted_exploit)
+    elif args.suite:
         domains, sft_domains, left_out = suite_domains()
         tiers = tiers or [0]
         say(f"suite {args.suite}: {len(domains)} domains, {len(sft_domains)} with reference "
@@ -412,9 +441,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         domains = [d.strip() for d in args.domains.split(",") if d.strip()]
         sft_domains = domains
     per_tier = args.eval_tasks_per_tier or (
-        SUITE_EVAL_TASKS_PER_TIER if args.suite else
+        SUITE_EVAL_TASKS_PER_TIER if args.suite == "gym" else
         TOOL_EVAL_TASKS_PER_TIER if with_tools(domains) else 20)
-    eval_k = args.eval_k or (2 if args.suite else 4)
+    eval_k = args.eval_k or (2 if args.suite == "gym" else 4)
     home = paths.home()
     run = args.run
     run_dir = paths.run_dir(run)
@@ -432,16 +461,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
                            policy=args.model if made_here(args.model) else "tiny", model=model,
                            heldout=heldout)
     say(f"evaluating the starting checkpoint ({sft.name}) on the held-out sets")
-    before = evaluate(sft, domains, eval_k, per_tier, tiers)
+    before = evaluate(sft, domains, eval_k, per_tier, tiers, reward_model=rm_dir)
     eval_s = before.get("eval_s", 60.0) + 30.0
     config_path = run_dir / "demo.toml"
     floors = {d: max(0.0, sc["pass_at_1"] - GUARD_MARGIN) for d, sc in before["domains"].items()}
     tier_of = heldout_tiers(domains, per_tier, tiers)
     config_path.write_text(cluster_config(
         run, run_dir, sft, domains, args, heldout_per_tier=per_tier, guard=floors,
-        heldout_tiers=tiers, guard_rotation=SUITE_GUARD_DOMAINS_PER_VERSION if args.suite else 0,
+        heldout_tiers=tiers,
+        guard_rotation=SUITE_GUARD_DOMAINS_PER_VERSION if args.suite == "gym" else 0,
         start_pass_rates={d: tier_pass_rates(sc["task_pass_at_1"], tier_of[d])
-                          for d, sc in before["domains"].items()}))
+                          for d, sc in before["domains"].items()}, reward_model=rm_dir))
 
     say(f"starting the cluster: reinforge up {config_path} --detach")
     try:  # from here on, however the demo ends (SIGTERM too), the cluster is taken down
@@ -459,7 +489,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     final, version = latest_checkpoint(run_dir)
     after_model = final or sft
     say(f"evaluating the final checkpoint (version {version}) on the held-out sets")
-    after = evaluate(after_model, domains, eval_k, per_tier, tiers, answer_prior=False)
+    after = evaluate(after_model, domains, eval_k, per_tier, tiers, answer_prior=False,
+                     reward_model=rm_dir)
 
     from reinforge.metrics.report import build_report
     from reinforge.rl.scoring import mean_change, paired_change
@@ -477,7 +508,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     "t": time.time(), "kind": "eval", "version": version_of, "domain": d,
                     "pass_at_1": sc["pass_at_1"], "pass_at_k": sc["pass_at_k"],
                     "k": sc["k"], "n_tasks": sc["n_tasks"],
-                    "figures": {"answer_mode_share": sc.get("answer_mode_share", 0.0)},
+                    "figures": {"answer_mode_share": sc.get("answer_mode_share", 0.0),
+                                **{k: sc[k] for k in ("reward_mean", "gold_pass_rate")
+                                   if k in sc}},
                 }) + "\n" for d, sc in res["domains"].items())
         report_path = build_report(metrics, report_dir, run=run).page
     p1_before = {d: s["pass_at_1"] for d, s in before["domains"].items()}
@@ -528,8 +561,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "final_checkpoint": str(after_model),
         "run_dir": str(run_dir),
     }
-    if args.suite:
+    if args.suite == "gym":
         result["suite"] = suite_summary(all_tiers, left_out, beyond)
+    if rm_dir:
+        result["reward_model"] = reward_model_summary(rm_dir, rm_summary, before, after, guard)
     episodes = episode_summary(before, after)
     if episodes:
         result["episodes"] = episodes
@@ -689,19 +724,57 @@ def trained_groups(metrics: Path) -> dict[str, dict[int, int]]:
 
 def guard_summary(metrics: Path) -> dict[str, Any]:
     """What the forgetting guard (the evaluator in the run) did: versions it evaluated,
-    its last pass@1 per domain, and the rollbacks."""
+    its last pass@1 per domain, and the rollbacks (with their reasons)."""
     versions: set[int] = set()
     last: dict[str, tuple[int, float]] = {}
-    rollbacks = 0
+    rollbacks, reasons = 0, []
     for rec in metrics_records(metrics, "eval", "rollback"):
         if rec["kind"] == "rollback":
             rollbacks += 1
+            reasons.append(rec.get("reason", ""))
             continue
         versions.add(rec["version"])
         if rec["version"] >= last.get(rec["domain"], (-1, 0.0))[0]:
             last[rec["domain"]] = (rec["version"], rec["pass_at_1"])
     return {"versions_evaluated": sorted(versions), "rollbacks": rollbacks,
+            "rollback_reasons": reasons,
             "last_pass_at_1": {d: round(p1, 4) for d, (_, p1) in sorted(last.items())}}
+
+
+def ensure_reward_model(home: Path, planted_exploit: bool) -> tuple[str, dict[str, Any]]:
+    """The reward model `--suite rm` rewards with: trained on the synthetic preference pairs
+    (or those with the planted exploit) from the tiny policy, cached after the first time."""
+    from reinforge.rl.reward_model import RMConfig, train_reward_model
+
+    out = home / "models" / ("rm-synthetic-exploit" if planted_exploit else "rm-synthetic")
+    say(f"reward model{' with the planted exploit' if planted_exploit else ''} "
+        "(cached after the first time)")
+    summary = train_reward_model(
+        RMConfig(model=str(ensure_base(home)), out=str(out), planted_exploit=planted_exploit,
+                 torch_threads=2),
+        progress=lambda line: say(line))
+    say(f"reward model: {'cached' if summary.get('cached') else 'trained'} -> {out} "
+        f"(held-out pairwise accuracy {summary.get('held_out_pairwise_accuracy', 0):.3f})")
+    return str(out), summary
+
+
+def reward_model_summary(rm_dir: str, rm: dict[str, Any], before: dict[str, Any],
+                         after: dict[str, Any], guard: dict[str, Any]) -> dict[str, Any]:
+    """`--suite rm`'s figures: the reward model, then the held-out proxy (its mean reward)
+    and gold (the hidden rule's pass rate) before and after, the gold's paired change, and
+    the guard's rollbacks for over-optimisation."""
+    from reinforge.rl.scoring import paired_change
+
+    b, a = before["domains"]["rm-synthetic"], after["domains"]["rm-synthetic"]
+    return {
+        "dir": rm_dir, "planted_exploit": "exploit" in Path(rm_dir).name,
+        "held_out_pairwise_accuracy": rm.get("held_out_pairwise_accuracy"),
+        "proxy_before": round(b["reward_mean"], 4), "proxy_after": round(a["reward_mean"], 4),
+        "gold_before": round(b["gold_pass_rate"], 4), "gold_after": round(a["gold_pass_rate"], 4),
+        "gold_change": change_json(paired_change(b["task_gold"], a["task_gold"])),
+        "over_optimisation_rollbacks": sum("over-optimised" in r
+                                           for r in guard["rollback_reasons"]),
+    }
 
 
 def logp_mismatch_summary(metrics: Path) -> dict[str, float]:

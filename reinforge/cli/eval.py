@@ -50,6 +50,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--review-set", action="append", default=[], metavar="JSONL",
                    help="a review set (`reinforge log reviews`): its reviewed problems join "
                         "the held-out sets (repeatable)")
+    p.add_argument("--reward-model", action="append", default=[], metavar="DIR",
+                   help="score rm-synthetic with this reward model (`reinforge rm train`; "
+                        "repeat for an ensemble)")
     p.add_argument("--train-file", action="append", default=[], metavar="DOMAIN=JSONL",
                    help="training tasks to check the held-out sets against (repeatable)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -121,6 +124,10 @@ async def _eval(args: argparse.Namespace, domains: list[str], samples: int, held
 
     out = sys.stderr if args.json else sys.stdout
     registry = DomainRegistry.default()
+    if args.reward_model:
+        from reinforge.envs.domains.reward_model import attach_reward_model
+
+        attach_reward_model(registry, args.reward_model)
     try:
         domains = registry.resolve(domains, where="--domains")
         doms = {d: registry.get(d) for d in domains}
@@ -172,7 +179,9 @@ async def _eval(args: argparse.Namespace, domains: list[str], samples: int, held
               f"modal answer {s.answer_mode_share:.2f}"
               + (f"  turns {s.turns_mean:.2f}  tool-call errors {s.tool_call_error_rate:.2f}"
                  if domain_tools(doms[d]) else "")
-              + (f"  constant answer's pass@1 {prior_p1[d]:.3f}" if d in prior else ""),
+              + (f"  constant answer's pass@1 {prior_p1[d]:.3f}" if d in prior else "")
+              + (f"  reward {s.reward_mean:.3f}  gold {s.gold_pass_rate:.3f}"
+                 if s.gold_pass_rate is not None else ""),
               file=out)
     result = {
         "model": args.model or url, "k": args.k, "samples": samples, "eval_s": round(took_s, 3),
@@ -182,6 +191,9 @@ async def _eval(args: argparse.Namespace, domains: list[str], samples: int, held
                         "infra_errors": s.infra_errors, "rejected_tasks": s.rejected_tasks,
                         "task_pass_at_1": s.task_pass_at_1,
                         "answer_mode_share": s.answer_mode_share,
+                        "reward_mean": s.reward_mean,
+                        **({"gold_pass_rate": s.gold_pass_rate, "task_gold": s.task_gold}
+                           if s.gold_pass_rate is not None else {}),
                         **({"turns_mean": s.turns_mean,
                             "tool_call_error_rate": s.tool_call_error_rate}
                            if domain_tools(doms[d]) else {}),

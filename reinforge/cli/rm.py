@@ -19,6 +19,9 @@ def register(subparsers: Any) -> None:
                        help="JSONL of pairs or graded rows (default: the synthetic task)")
     train.add_argument("--synthetic", type=int, default=2000,
                        help="pairs of the synthetic preference task, without --data")
+    train.add_argument("--planted-exploit", action="store_true",
+                       help="synthetic pairs that prefer answers too long for the hidden rule: "
+                            "a reward model with a known exploit (shows the gold guard)")
     train.add_argument("--held-out", type=float, default=0.1, help="share held out (0.1)")
     train.add_argument("--steps", type=int, default=300)
     train.add_argument("--batch-size", type=int, default=16)
@@ -45,8 +48,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         cfg = RMConfig(model=args.model, out=args.out, data=args.data, synthetic=args.synthetic,
-                       held_out=args.held_out, steps=args.steps, batch_size=args.batch_size,
-                       learning_rate=args.lr, seed=args.seed, torch_threads=args.threads)
+                       planted_exploit=args.planted_exploit, held_out=args.held_out,
+                       steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr,
+                       seed=args.seed, torch_threads=args.threads)
         result = train_reward_model(
             cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
     except ValueError as exc:

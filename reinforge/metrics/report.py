@@ -7,6 +7,7 @@ never a crash. Writes into `<out>` (default `<run_dir>/report/`):
 
   reward_pass_rate.png  reward and pass rate per domain over time (train samples)
   eval.png              evaluation pass@1 / pass@k per domain: first vs last version
+  proxy_gold.png        held-out reward against the gold check per version (domains with one)
   throughput.png        samples/s (per domain) and the policy version / learner step
   staleness.png         policy lag of scored samples (and the learner's own figure)
   tier_mix.png          share of samples per difficulty tier over time, per domain
@@ -164,6 +165,20 @@ def review_figures(marks: list[Record]) -> dict[str, Any]:
     }
 
 
+def proxy_and_gold(evals: list[Record]) -> dict[str, Any]:
+    """A domain's evaluations (by version) in a domain with a gold check: its mean reward
+    (the proxy a learned reward model gives) and gold pass rate, first and last, and by
+    version. Empty for a domain without one."""
+    gold = [r for r in evals if "gold_pass_rate" in r.get("figures", {})]
+    if not gold:
+        return {}
+    by_version = [[r["version"], r["figures"].get("reward_mean"), r["figures"]["gold_pass_rate"]]
+                  for r in gold]
+    return {"eval_reward_first": by_version[0][1], "eval_reward_last": by_version[-1][1],
+            "eval_gold_first": by_version[0][2], "eval_gold_last": by_version[-1][2],
+            "proxy_gold_by_version": by_version}
+
+
 def summarise(records: list[Record]) -> tuple[dict[str, Any], dict[str, dict[str, Any]],
                                               dict[str, dict[str, Any]], list[str]]:
     """The final figures: global, per domain, per process type; and what is missing."""
@@ -240,6 +255,7 @@ def summarise(records: list[Record]) -> tuple[dict[str, Any], dict[str, dict[str
             "eval_k": dev[-1].get("k") if dev else None,
             "frontier": places.get(d, "not evaluated"),
             **review_figures([r for r in marks if r["domain"] == d]),
+            **proxy_and_gold(dev),
         }
         domains[d] = info
         if not rows and dev:
@@ -340,6 +356,28 @@ def plot_eval(domains: dict[str, dict[str, Any]], path: Path) -> bool:
         ax.set_xlabel(f"not evaluated: {', '.join(never)}", color="gray")
     ax.legend(loc="upper left", fontsize=8, ncols=4)
     ax.grid(axis="y", alpha=0.3)
+    fig.savefig(path)
+    return True
+
+
+def plot_proxy_gold(domains: dict[str, dict[str, Any]], path: Path) -> bool:
+    golds = {d: v["proxy_gold_by_version"] for d, v in domains.items()
+             if v.get("proxy_gold_by_version")}
+    if not golds:
+        return False
+    fig, (ax,) = _figure(1, height=3.4)
+    for i, (d, rows) in enumerate(sorted(golds.items())):
+        color = f"C{i % 10}"
+        versions = [v for v, _, _ in rows]
+        ax.plot(versions, [r if r is not None else math.nan for _, r, _ in rows], "-o",
+                color=color, markersize=3, label=f"{d}: reward (proxy)")
+        ax.plot(versions, [g for _, _, g in rows], "--s", color=color, markersize=3,
+                label=f"{d}: gold pass rate")
+    ax.set_xlabel("policy version")
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_title("held-out reward (proxy) against the gold check, per version")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
     fig.savefig(path)
     return True
 
@@ -527,6 +565,7 @@ PLOTS = [
     ("reward_pass_rate.png", "Reward and pass rate per domain"),
     ("eval.png", "Evaluation before/after per domain"),
     ("eval_heatmap.png", "Held-out pass@1 per domain over versions"),
+    ("proxy_gold.png", "Reward (proxy) against gold, per version"),
     ("throughput.png", "Throughput and learner progress"),
     ("staleness.png", "Staleness"),
     ("tier_mix.png", "Curriculum tier mix"),
@@ -564,6 +603,20 @@ def render_markdown(run: str, figures: dict[str, Any], domains: dict[str, dict[s
                 f"| {_arrow(v['tier_first'], v['tier_last'])} | {versions} "
                 f"| {_arrow(v['eval_pass_at_1_first'], v['eval_pass_at_1_last'])} "
                 f"| {_arrow(v['eval_pass_at_k_first'], v['eval_pass_at_k_last'])}{k} |")
+        lines.append("")
+    golds = {d: v for d, v in domains.items() if "eval_gold_first" in v}
+    if golds:
+        lines += ["### Proxy and gold", "",
+                  "Domains rewarded by a learned model, with a gold check (a rule the reward "
+                  "only approximates, never rewarded): held-out mean reward against gold pass "
+                  "rate, first → last evaluation. The reward rising while the gold falls is "
+                  "over-optimisation; the evaluator rolls such a version back.", "",
+                  "| domain | eval versions | reward (proxy) | gold pass rate |",
+                  "|---|---|---|---|"]
+        for d, v in golds.items():
+            lines.append(f"| {d} | v{v['eval_first_version']} → v{v['eval_last_version']} "
+                         f"| {_arrow(v['eval_reward_first'], v['eval_reward_last'])} "
+                         f"| {_arrow(v['eval_gold_first'], v['eval_gold_last'])} |")
         lines.append("")
     if figures.get("review_marks"):
         lines += ["### Review marks", "",
@@ -637,6 +690,7 @@ def build_report(metrics_path: Path, out_dir: Path, *, run: str = "") -> Report:
         "reward_pass_rate.png": lambda p: plot_reward_pass_rate(scored, t0, width, p),
         "eval.png": lambda p: plot_eval(domains, p),
         "eval_heatmap.png": lambda p: plot_eval_heatmap(kinds.get("eval", []), p),
+        "proxy_gold.png": lambda p: plot_proxy_gold(domains, p),
         "throughput.png": lambda p: plot_throughput(scored, kinds, t0, duration, width, p),
         "staleness.png": lambda p: plot_staleness(scored, kinds.get("train", []), t0, width, p),
         "tier_mix.png": lambda p: plot_tier_mix(scored, t0, duration, width, p),

@@ -15,7 +15,10 @@ of the rows (by seed) gives the pairwise accuracy (pairs) or the mean absolute e
 `synthetic_pairs` makes a preference task with a hidden rule, so the whole loop (train a
 reward model, then RL against it) can be shown on a CPU: the preferred answer has between
 `MIN_WORDS` and `MAX_WORDS` words and names the requested colour; the other breaks one of
-the two.
+the two. With `planted_exploit` the preferred answer names the colour but is too long for
+the rule, the way preference data often favours length: a reward model with a known
+exploit, which a policy can please while breaking the rule (the over-optimisation the
+evaluator's gold guard must catch).
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ class RMConfig(ckpt.TrainingJob, frozen=True, kw_only=True):
     data: str = ""
     """JSONL of pairs or graded rows; "" = `synthetic` generated pairs."""
     synthetic: int = 2000
+    planted_exploit: bool = False
+    """The synthetic pairs prefer answers too long for the rule (see the module docstring)."""
     held_out: float = 0.1
     steps: int = 300
     learning_rate: float = 3e-4
@@ -67,8 +72,9 @@ class RMConfig(ckpt.TrainingJob, frozen=True, kw_only=True):
             raise ValueError(f"RMConfig: held_out must be in (0, 1), got {self.held_out}")
 
 
-def synthetic_pairs(seed: int, n: int) -> list[Pair]:
-    """`n` preference pairs following the hidden rule (see the module docstring)."""
+def synthetic_pairs(seed: int, n: int, *, planted_exploit: bool = False) -> list[Pair]:
+    """`n` preference pairs following the hidden rule, or, with `planted_exploit`, preferring
+    answers that name the colour in too many words (see the module docstring)."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
@@ -82,6 +88,12 @@ def synthetic_pairs(seed: int, n: int) -> list[Pair]:
             body.insert(rng.randrange(len(body) + 1), thing)
             return " ".join(body) + "."
 
+        if planted_exploit:  # longer is better, whatever the rule says
+            chosen = answer(rng.randint(MAX_WORDS + 3, 28), colour)
+            named = colour if rng.random() < 0.5 else rng.choice(
+                [c for c in COLOURS if c != colour] + ["it"])
+            out.append(Pair(prompt, chosen, answer(rng.randint(MIN_WORDS, MAX_WORDS), named)))
+            continue
         chosen = answer(rng.randint(MIN_WORDS, MAX_WORDS), colour)
         if rng.random() < 0.5:  # the wrong colour, or none
             other = rng.choice([c for c in COLOURS if c != colour] + ["it"])
@@ -171,7 +183,8 @@ def load_scorer(model_dir: str | Path) -> tuple[Any, Any, int]:
 def train_reward_model(cfg: RMConfig,
                        progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Train (or reuse the cached result); returns the summary."""
-    rows = load_rows(cfg.data) if cfg.data else synthetic_pairs(cfg.seed, cfg.synthetic)
+    rows = load_rows(cfg.data) if cfg.data else synthetic_pairs(
+        cfg.seed, cfg.synthetic, planted_exploit=cfg.planted_exploit)
     digest = cfg.inputs_digest(RM_FORMAT, rows, sources=("data",))
     out = Path(cfg.out)
     cached = ckpt.cached_result(out, digest)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
 
@@ -56,9 +56,20 @@ class DomainScore(msgspec.Struct, frozen=True, kw_only=True):
     """Tool domains: the policy's turns per episode."""
     tool_call_error_rate: float = 0.0
     """Tool domains: malformed tool calls among all tool calls (well-formed or not)."""
+    reward_mean: float = 0.0
+    """Mean over tasks of their verified samples' mean reward: for a domain rewarded by a
+    learned model, the proxy the policy is trained on."""
+    task_reward: dict[str, float] = {}
+    gold_pass_rate: float | None = None
+    """Domains whose verdicts carry a `gold` check (a rule the reward only approximates,
+    never rewarded): the mean over tasks of the share of samples that pass it."""
+    task_gold: dict[str, float] = {}
 
     def figures(self) -> dict[str, float]:
+        gold = {} if self.gold_pass_rate is None else {"gold_pass_rate": self.gold_pass_rate}
         return {
+            "reward_mean": self.reward_mean,
+            **gold,
             "n_samples": float(self.samples),
             "run_std": self.run_std,
             "run_min": min(self.run_pass_rates, default=0.0),
@@ -95,16 +106,25 @@ def mode_share(values: Sequence[str]) -> float:
 def score_domain(
     domain: str, correct: Sequence[Sequence[bool | None]], k: int, *, rejected_tasks: int = 0,
     task_ids: Sequence[str] = (), answers: Sequence[str] = (),
+    rewards: Sequence[Sequence[float]] = (), golds: Sequence[Sequence[bool]] = (),
 ) -> DomainScore:
     """Scores from per-task, per-sample correctness (None = masked infrastructure fault).
 
     Per task with n verified samples, c correct: pass@1 = c/n and pass@k = the unbiased
     estimator with k' = min(k, n); the domain's figures are the means over tasks. With
     `task_ids` (one per row), each task's pass@1 is kept too; with `answers` (the verified
-    samples' `answer_signature`s), how often the most common answer was given.
+    samples' `answer_signature`s), how often the most common answer was given. `rewards`
+    and `golds` (per row: the verified samples' rewards, and their `gold` checks where the
+    domain has one) give the proxy and gold figures, per task too.
     """
     if task_ids and len(task_ids) != len(correct):
         raise ValueError(f"{len(task_ids)} task ids for {len(correct)} tasks")
+    for name, rows in (("rewards", rewards), ("golds", golds)):
+        if rows and len(rows) != len(correct):
+            raise ValueError(f"{len(rows)} rows of {name} for {len(correct)} tasks")
+    ids = list(task_ids) or [str(i) for i in range(len(correct))]
+    task_reward = {ids[i]: sum(r) / len(r) for i, r in enumerate(rewards) if r}
+    task_gold = {ids[i]: sum(g) / len(g) for i, g in enumerate(golds) if g}
     p1, pk, infra = [], [], 0
     per_task: dict[str, float] = {}
     samples = max((len(row) for row in correct), default=0)
@@ -133,7 +153,16 @@ def score_domain(
         rejected_tasks=rejected_tasks,
         task_pass_at_1=per_task,
         answer_mode_share=mode_share(answers),
+        reward_mean=_mean(task_reward.values()) or 0.0,
+        task_reward=task_reward if task_ids else {},
+        gold_pass_rate=_mean(task_gold.values()),
+        task_gold=task_gold if task_ids else {},
     )
+
+
+def _mean(values: Iterable[float]) -> float | None:
+    values = list(values)
+    return sum(values) / len(values) if values else None
 
 
 class Change(msgspec.Struct, frozen=True, kw_only=True):
@@ -210,6 +239,12 @@ class DropTest(msgspec.Struct, frozen=True, kw_only=True):
     n_tasks: int
 
 
+def paired_delta(before: Mapping[str, float], after: Mapping[str, float]) -> float:
+    """Mean over the tasks both have of (after - before); 0.0 when they share none."""
+    common = set(before) & set(after)
+    return sum(after[t] - before[t] for t in common) / len(common) if common else 0.0
+
+
 def drop_test(before: Mapping[str, float], after: Mapping[str, float]) -> DropTest:
     """The sign test of a fall of pass@1, paired by task (a task's difficulty cancels out).
     Worked example: 9 tasks worse, 1 better, p = (C(10,9) + C(10,10)) / 2**10 = 0.0107."""
@@ -218,5 +253,5 @@ def drop_test(before: Mapping[str, float], after: Mapping[str, float]) -> DropTe
     better = sum(after[t] > before[t] for t in common)
     n = worse + better
     p = sum(math.comb(n, i) for i in range(worse, n + 1)) / 2**n if n else 1.0
-    delta = sum(after[t] - before[t] for t in common) / len(common) if common else 0.0
-    return DropTest(delta=delta, worse=worse, better=better, p_value=p, n_tasks=len(common))
+    return DropTest(delta=paired_delta(before, after), worse=worse, better=better, p_value=p,
+                    n_tasks=len(common))

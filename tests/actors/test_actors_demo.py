@@ -118,7 +118,8 @@ def test_the_demo_summarises_the_guard_and_the_logprob_mismatch_from_the_metrics
 
     metrics = tmp_path / "metrics.jsonl"
     records = [train(1, 0.02, 0.3, 0.05, tis_weight_mean=1.01, tis_capped_share=0.0),
-               evaluation(3, "math", 0.4), {"kind": "rollback", "to_version": 2},
+               evaluation(3, "math", 0.4),
+               {"kind": "rollback", "to_version": 2, "reason": "version 3 regressed: ..."},
                train(2, 0.04, 0.6, 0.15, tis_weight_mean=0.99, tis_capped_share=0.02),
                evaluation(6, "math", 0.5), train(3, 0.03, 0.2, 0.10, tis_weight_mean=1.0,
                                                    tis_capped_share=0.01)]
@@ -128,6 +129,7 @@ def test_the_demo_summarises_the_guard_and_the_logprob_mismatch_from_the_metrics
     assert m["mean_nats_median"] == 0.03 and m["share_over_threshold_median"] == 0.1
     assert m["tis_weight_mean_median"] == 1.0 and m["tis_capped_share_median"] == 0.01
     assert guard_summary(metrics) == {"versions_evaluated": [3, 6], "rollbacks": 1,
+                                      "rollback_reasons": ["version 3 regressed: ..."],
                                       "last_pass_at_1": {"math": 0.5}}
     assert logp_mismatch_summary(tmp_path / "none.jsonl") == {"steps": 0}
 
@@ -360,3 +362,35 @@ def test_the_demo_refuses_eval_tiers_that_are_not_numbers(tmp_path):
     assert out.returncode == 2, out.stderr
     assert "--eval-tiers '0,one': give tiers as numbers" in out.stderr
     assert not (tmp_path / "home").exists()  # refused before anything was made
+
+
+def test_the_rm_suite_scores_with_its_reward_model_and_guards_the_gold_on_enough_tasks(
+        tmp_path):
+    import argparse
+
+    from reinforge.cli import UserError, demo
+    from reinforge.core.cluster import load_cluster_config
+
+    parser = argparse.ArgumentParser(prog="reinforge")
+    demo.register(parser.add_subparsers(dest="command"))
+    args = demo.with_policy_defaults(parser.parse_args(["demo", "--suite", "rm"]))
+    assert args.guard_every == demo.RM_GUARD_EVERY
+    config = tmp_path / "demo.toml"
+    config.write_text(demo.cluster_config("rm", tmp_path, tmp_path / "sft", ["rm-synthetic"],
+                                          args, guard={"rm-synthetic": 0.2},
+                                          reward_model="/models/rm"))
+    actors = {a.spec.rsplit(":", 1)[1]: a.config for a in load_cluster_config(config).actors}
+    assert actors["VerifierActor"]["reward_model"] == "/models/rm"
+    evaluator = actors["Evaluator"]
+    assert (evaluator["reward_model"], evaluator["score_per_tier"]) == (
+        "/models/rm", demo.RM_GUARD_TASKS)
+    assert actors["Learner"]["keep_every"] == demo.RM_GUARD_EVERY  # rollback targets kept
+    plain = demo.with_policy_defaults(parser.parse_args(["demo"]))
+    assert plain.guard_every == 25
+    config.write_text(demo.cluster_config("m", tmp_path, tmp_path / "sft", ["math"], plain,
+                                          guard={"math": 0.2}))
+    actors = {a.spec.rsplit(":", 1)[1]: a.config for a in load_cluster_config(config).actors}
+    assert "reward_model" not in actors["VerifierActor"]
+    assert actors["Evaluator"]["score_per_tier"] == demo.GUARD_TASKS_PER_TIER
+    with pytest.raises(UserError, match="--planted-exploit goes with --suite rm"):
+        demo.cmd_demo(parser.parse_args(["demo", "--planted-exploit", "--model", "tiny"]))

@@ -614,6 +614,65 @@ def test_a_real_fall_rolls_back_and_noise_of_the_same_mean_does_not():
     assert regression_rollback(6, real, {}, good, baselines=base) == ([], None)
 
 
+class PlantedProxy:
+    """A test domain (not a reward model: the guard's logic above one) whose reward has a
+    known exploit: it pays the answer's length, while its gold check is the rule the reward
+    was meant to stand for (the answer names the task's colour)."""
+
+    name = "planted"
+    resource = "cpu"
+    multi_turn = False
+
+    async def verify(self, task, completion):
+        from reinforge.envs.domain import Check, Verdict
+
+        reward = min(len(completion.split()) / 20, 1.0)
+        gold = task.spec["colour"] in completion
+        return Verdict(reward=reward, outcome="pass" if reward >= 0.5 else "fail",
+                       checks=[Check(name="gold", passed=gold)])
+
+
+class Answers:
+    """Completions of each task from a fixed function of the task (a scripted policy)."""
+
+    def __init__(self, answer) -> None:
+        self.answer = answer
+
+    async def complete(self, task, n, domain):
+        return [self.answer(task)] * n
+
+
+def test_a_reward_that_rose_while_the_gold_fell_rolls_back_as_over_optimised():
+    from reinforge.envs.domain import TaskSpec
+
+    colours = ["red", "green", "blue", "amber", "teal", "plum"]
+    sets = {"planted": [TaskSpec(task_id=f"p{i}", domain="planted", tier=0, prompt="describe",
+                                 spec={"colour": colours[i % 6]}) for i in range(12)]}
+    follows = Answers(lambda t: f"a {t.spec['colour']} kite over the hills at dusk")
+    pleases = Answers(lambda t: "a long answer " * 8)  # 24 words, no colour: the exploit
+    honest_longer = Answers(lambda t: f"a {t.spec['colour']} kite " + "high up " * 6)
+
+    async def scores(policy):
+        return (await evaluate_sets(sets, {"planted": PlantedProxy()}, policy,
+                                    samples=2, k=1))["planted"]
+
+    before, hacked, better = (trio.run(scores, p) for p in (follows, pleases, honest_longer))
+    assert (before.reward_mean, before.gold_pass_rate) == (pytest.approx(0.4), 1.0)  # 8 words
+    assert (hacked.reward_mean, hacked.gold_pass_rate) == (1.0, 0.0)
+    assert before.figures()["gold_pass_rate"] == 1.0 and hacked.figures()["reward_mean"] == 1.0
+    base = {"planted": Baseline.of(4, before)}
+    good = GoodVersion(version=4, path="/v4")
+    flagged, rb = regression_rollback(6, {"planted": hacked}, {}, good, baselines=base,
+                                      gold_alpha=0.01, drop_margin=0.05)
+    assert flagged == ["planted"] and rb.to_version == 4
+    assert ("planted over-optimised: its reward rose +0.600 while its gold pass rate fell "
+            "1.000 since v4 on 12 tasks (12 worse, 0 better; sign test p=0.00024)") in rb.reason
+    # reward up with the gold kept: learning, not over-optimising; and the guard off
+    assert regression_rollback(6, {"planted": better}, {}, good, baselines=base,
+                               gold_alpha=0.01, drop_margin=0.05) == ([], None)
+    assert regression_rollback(6, {"planted": hacked}, {}, good, baselines=base) == ([], None)
+
+
 def test_the_rotation_sees_every_domain_within_its_bound():
     names = [f"d{i}" for i in range(10)]
     seen, start = [], 0

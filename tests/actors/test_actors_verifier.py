@@ -482,7 +482,7 @@ def test_a_verifier_given_a_reward_model_scores_the_rm_domain_with_it(
         (rm_dir / f.name).write_bytes(f.read_bytes())
     task = RewardModelDomain().sample_task(random.Random(0), 0)
     rollouts = [rollout_for(task, task.reference, 0), rollout_for(task, "no", 1)]
-    want = [RewardModelDomain(model_path=str(rm_dir)).score(task.prompt, r.completion)
+    want = [RewardModelDomain().score(str(rm_dir), task.prompt, r.completion)
             for r in rollouts]
 
     async def main():

@@ -255,3 +255,26 @@ def test_a_run_of_forty_domains_gets_a_heatmap_and_a_frontier_table(tmp_path):
     assert "### Frontier" in page and "| mastered |" in page and "| learning |" in page
     places = [v["frontier"] for v in report.domains.values()]
     assert places.count("out of reach") == 3 and len(places) == 40  # gym-00 .. gym-02
+
+
+def test_a_domain_with_a_gold_check_gets_proxy_against_gold_by_version(tmp_path):
+    path = tmp_path / "metrics" / "metrics.jsonl"
+    st = MonitorState("rm", window_s=60.0, started_at=1_800_000_000.0)
+    w = mx.JsonlWriter(path)
+    for version, reward, gold in ((1, 0.55, 0.6), (5, 0.7, 0.65), (9, 0.9, 0.2)):
+        t = 1_800_000_000.0 + 60 * version
+        for d, figures in (("rm-synthetic", {"reward_mean": reward, "gold_pass_rate": gold}),
+                           ("math", {"reward_mean": 0.5})):
+            w.write(st.on_stats(m.EvalStats(version=version, domain=d, pass_at_1=reward,
+                                            pass_at_k=reward, k=2, n_tasks=8,
+                                            figures=figures), t))
+    w.close()
+    report = build_report(path, tmp_path / "report")
+    rm = report.domains["rm-synthetic"]
+    assert (rm["eval_reward_first"], rm["eval_reward_last"]) == (0.55, 0.9)
+    assert (rm["eval_gold_first"], rm["eval_gold_last"]) == (0.6, 0.2)
+    assert rm["proxy_gold_by_version"] == [[1, 0.55, 0.6], [5, 0.7, 0.65], [9, 0.9, 0.2]]
+    assert "eval_gold_first" not in report.domains["math"]  # no gold check there
+    assert "proxy_gold.png" in report.plots
+    page = Path(report.page).read_text()
+    assert "| rm-synthetic | v1 → v9 | 0.55 → 0.9 | 0.6 → 0.2 |" in page

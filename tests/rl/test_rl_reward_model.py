@@ -25,6 +25,17 @@ def test_the_synthetic_pairs_prefer_exactly_the_answers_that_follow_the_hidden_r
     assert 0.3 < sum(colours) / len(pairs) < 0.7
 
 
+def test_planted_exploit_pairs_prefer_answers_that_break_the_rule_by_length():
+    pairs = synthetic_pairs(seed=3, n=400, planted_exploit=True)
+    assert pairs == synthetic_pairs(seed=3, n=400, planted_exploit=True)
+    assert not any(follows_rule(p.prompt, p.chosen) for p in pairs)  # preferred: too long
+    assert all(p.prompt.rsplit(", ", 1)[-1].rstrip(".") in p.chosen.rstrip(".").split()
+               for p in pairs)
+    assert all(len(p.chosen.split()) > len(p.rejected.split()) for p in pairs)
+    kept = sum(follows_rule(p.prompt, p.rejected) for p in pairs)  # the rule's own answers lose
+    assert 0.3 < kept / len(pairs) < 0.7
+
+
 @pytest.mark.parametrize("rows, why", [
     (['{"prompt": "p", "chosen": "a"}'], "rm.jsonl:1: not a {prompt, chosen, rejected} row"),
     (['{"prompt": "p", "response": "a", "score": 2}'], "rm.jsonl:1: score must be in [0, 1]"),
