@@ -24,10 +24,13 @@ the regression guard that rolls a bad version back.
   `Rollback` to the last good version (msg_id f"rollback:{to}:{bad}"); it is said loudly on
   stderr. Without a good version to go back to, it says so and publishes nothing.
 * Over-optimisation: in a domain whose verdicts carry a `gold` check (a rule its learned
-  reward only approximates), a version whose mean reward rose against the baseline while
-  its gold pass rate fell (the same sign test, at p < `gold_alpha`) is rolled back too: the
-  policy learnt to please the reward model, not the rule. `reward_mean` and
-  `gold_pass_rate` are in each EvalStats' figures, so the report shows proxy against gold.
+  reward only approximates), a version whose mean reward rose while its gold pass rate fell
+  against the domain's gold peak (the good version with the best gold so far; the same sign
+  test, at p < `gold_alpha`) is rolled back to that peak: the policy learnt to please the
+  reward model, not the rule. Against the peak, not the last good version: over-optimising
+  is a slow slide, each step too small to be significant against the one before it.
+  `reward_mean` and `gold_pass_rate` are in each EvalStats' figures, so the report shows
+  proxy against gold.
 * Many domains: `domains_per_version` evaluates that many per version, in a fixed
   rotation, so each domain is seen at least every ceil(D / domains_per_version) evaluated
   versions.
@@ -67,7 +70,14 @@ from reinforge.core import paths, subjects
 from reinforge.core.actor import Actor, Input
 from reinforge.core.atomic import write_json_atomic
 from reinforge.core.weights import WeightsUnavailable, fetched_weights_dir, local_weights
-from reinforge.core.messages import EvalStats, Rollback, Task, WeightsPublished, decode
+from reinforge.core.messages import (
+    EvalStats,
+    KeepVersions,
+    Rollback,
+    Task,
+    WeightsPublished,
+    decode,
+)
 from reinforge.engine.tokenizer import load_tokenizer
 from reinforge.envs.domain import TaskSpec, gold_of
 from reinforge.envs.tools import episode_counts, policy_turns
@@ -278,18 +288,22 @@ class GoodVersion(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Baseline(msgspec.Struct, frozen=True, kw_only=True):
-    """A domain's per-task pass@1 (and mean reward and gold pass rate) at the last good
-    version that evaluated it."""
+    """A domain's per-task pass@1 (and mean reward and gold pass rate) at a good version
+    that evaluated it: the last one, or (a gold peak) the one with the best gold."""
 
     version: int
     task_pass_at_1: dict[str, float]
     task_reward: dict[str, float] = {}
     task_gold: dict[str, float] = {}
+    path: str = ""
 
     @classmethod
-    def of(cls, version: int, score: DomainScore) -> Baseline:
+    def of(cls, version: int, score: DomainScore, path: str = "") -> Baseline:
         return cls(version=version, task_pass_at_1=score.task_pass_at_1,
-                   task_reward=score.task_reward, task_gold=score.task_gold)
+                   task_reward=score.task_reward, task_gold=score.task_gold, path=path)
+
+    def gold(self) -> float:
+        return sum(self.task_gold.values()) / len(self.task_gold) if self.task_gold else 0.0
 
 
 def regression_rollback(
@@ -301,13 +315,16 @@ def regression_rollback(
     baselines: Mapping[str, Baseline] | None = None,
     drop_alpha: float = 0.0,
     drop_margin: float = 0.0,
+    gold_peaks: Mapping[str, Baseline] | None = None,
     gold_alpha: float = 0.0,
 ) -> tuple[list[str], Rollback | None]:
     """(domains that regressed, the Rollback to publish or None). A domain regresses when
     it is below its threshold, or (with `drop_alpha` > 0) its pass@1 fell against its
     baseline by more than `drop_margin` with a sign test at p < `drop_alpha`, or (with
-    `gold_alpha` > 0, in a domain with a gold check) its mean reward rose while its gold
-    pass rate fell by more than `drop_margin`, sign test p < `gold_alpha`: over-optimised.
+    `gold_alpha` > 0, in a domain with a gold peak) its mean reward rose while its gold pass
+    rate fell against the peak by more than `drop_margin`, sign test p < `gold_alpha`:
+    over-optimised, and the rollback goes back to the peak if it is older than the last
+    good version.
 
     A domain without verified tasks is not judged. No rollback without a good version older
     than this one."""
@@ -324,14 +341,17 @@ def regression_rollback(
                 why[d] = (f"{d} pass@1 fell {-t.delta:.3f} since v{base.version} on "
                           f"{t.n_tasks} tasks ({t.worse} worse, {t.better} better; sign test "
                           f"p={t.p_value:.2g})")
-        if gold_alpha and base is not None and base.version < version and d not in why:
-            g = drop_test(base.task_gold, s.task_gold)
-            proxy = paired_delta(base.task_reward, s.task_reward)
+        peak = (gold_peaks or {}).get(d)
+        if gold_alpha and peak is not None and peak.version < version and d not in why:
+            g = drop_test(peak.task_gold, s.task_gold)
+            proxy = paired_delta(peak.task_reward, s.task_reward)
             if g.p_value < gold_alpha and g.delta < -drop_margin and proxy > 0:
                 why[d] = (f"{d} over-optimised: its reward rose {proxy:+.3f} while its gold "
-                          f"pass rate fell {-g.delta:.3f} since v{base.version} on "
-                          f"{g.n_tasks} tasks ({g.worse} worse, {g.better} better; sign test "
-                          f"p={g.p_value:.2g})")
+                          f"pass rate fell {-g.delta:.3f} since its gold peak v{peak.version} "
+                          f"on {g.n_tasks} tasks ({g.worse} worse, {g.better} better; sign "
+                          f"test p={g.p_value:.2g})")
+                if last_good is not None and peak.path and peak.version < last_good.version:
+                    last_good = GoodVersion(version=peak.version, path=peak.path)
     flagged = sorted(why)
     if not flagged or last_good is None or last_good.version >= version:
         return flagged, None
@@ -339,6 +359,17 @@ def regression_rollback(
         to_version=last_good.version, path=last_good.path,
         reason=f"version {version} regressed: {', '.join(why[d] for d in flagged)}",
     )
+
+
+def gold_peaks_after(peaks: Mapping[str, Baseline], good: WeightsPublished,
+                     scores: Mapping[str, DomainScore]) -> dict[str, Baseline]:
+    """The gold peaks once `good` (a version that passed the guard) scored `scores`: a
+    domain's peak moves to it when its gold pass rate is at least the peak's."""
+    out = dict(peaks)
+    for d, s in scores.items():
+        if s.gold_pass_rate is not None and (d not in out or s.gold_pass_rate >= out[d].gold()):
+            out[d] = Baseline.of(good.version, s, good.path)
+    return out
 
 
 def rotation(names: Sequence[str], start: int, per_version: int) -> list[str]:
@@ -352,6 +383,8 @@ class EvaluatorState(msgspec.Struct, kw_only=True):
     last_good: GoodVersion | None = None
     baselines: dict[str, Baseline] = {}
     """Per domain, its scores at the last good version that evaluated it."""
+    gold_peaks: dict[str, Baseline] = {}
+    """Per domain with a gold check, its scores at the good version with the best gold."""
     rotation_start: int = 0
     """Where the next version's rotation of domains begins."""
     evaluated: list[str] = []
@@ -549,6 +582,11 @@ class Evaluator(Actor):
                                     if int(k.split(":", 1)[0]) <= msg.to_version]
             self.state.baselines = {d: b for d, b in self.state.baselines.items()
                                     if b.version <= msg.to_version}
+            self.state.gold_peaks = {d: b for d, b in self.state.gold_peaks.items()
+                                     if b.version <= msg.to_version}
+            if self.state.last_good is not None and \
+                    self.state.last_good.version > msg.to_version:  # back to a gold peak
+                self.state.last_good = GoodVersion(version=msg.to_version, path=msg.path)
             write_json_atomic(self.state_path, self.state)
             return
         key = f"{msg.version}:{msg.path}"
@@ -570,6 +608,7 @@ class Evaluator(Actor):
         self.last_scores = scores
         await self.publish_scores(msg.version, scores, time.monotonic() - t0)
         await self.guard(msg, scores)
+        await self.keep_rollback_targets(msg.version)
         self.state.rotation_start += len(names)
         self.state.evaluated.append(key)
         write_json_atomic(self.state_path, self.state)
@@ -596,12 +635,14 @@ class Evaluator(Actor):
         below, rollback = regression_rollback(
             msg.version, scores, cfg.thresholds, self.state.last_good,
             baselines=self.state.baselines, drop_alpha=cfg.drop_alpha,
-            drop_margin=cfg.drop_margin, gold_alpha=cfg.gold_alpha)
+            drop_margin=cfg.drop_margin, gold_peaks=self.state.gold_peaks,
+            gold_alpha=cfg.gold_alpha)
         if not below:
             self.state.last_good = GoodVersion(version=msg.version, path=msg.path)
             for d, s in scores.items():
                 if s.n_tasks:
                     self.state.baselines[d] = Baseline.of(msg.version, s)
+            self.state.gold_peaks = gold_peaks_after(self.state.gold_peaks, msg, scores)
             return
         if rollback is None:
             loud(f"version {msg.version} regressed in {', '.join(below)}, and there "
@@ -612,6 +653,17 @@ class Evaluator(Actor):
         await self.ctx.publish_durable(subjects.weights(self.ctx.run), rollback,
                                        msg_id=f"rollback:{rollback.to_version}:{msg.version}")
         self.state.rolled_back.append(msg.version)
+
+    async def keep_rollback_targets(self, version: int) -> None:
+        """Tell the learner which checkpoints a rollback may return to (KeepVersions): the
+        last good version and the gold peaks, which may be older than its own retention."""
+        targets = sorted({b.version for b in self.state.gold_peaks.values()}
+                         | ({self.state.last_good.version} if self.state.last_good else set()))
+        if targets:
+            await self.ctx.publish_durable(
+                subjects.keep(self.ctx.run),
+                KeepVersions(versions=targets, reason="the evaluator's rollback targets"),
+                msg_id=f"keep:{version}:{','.join(map(str, targets))}")
 
     async def source_for(self, msg: WeightsPublished) -> CompletionSource:
         """A completion source serving `msg.version`: starts the eval server on first use,

@@ -28,6 +28,9 @@ Invariants:
     creation time is part of every `WeightsPublished` msg_id, so a reused version number is
     announced again rather than deduplicated away, while re-announcing the same checkpoint
     after a restart stays idempotent.
+  * Checkpoints are pruned to `keep_last`, the two newest multiples of `keep_every`, and the
+    versions the evaluator's newest `KeepVersions` names (its rollback targets: the last
+    good version and each domain's gold peak, maybe far behind).
 """
 
 from __future__ import annotations
@@ -56,10 +59,13 @@ from reinforge.core.actor import Actor, Input, Ticket, ack_all
 from reinforge.core.messages import (
     Fate,
     GroupDecision,
+    KeepVersions,
+    MessageError,
     Rollback,
     ScoredRollout,
     TrainStats,
     WeightsPublished,
+    decode,
     split_rollout_id,
 )
 
@@ -521,6 +527,20 @@ class Learner(Actor):
         elif status == "completed":
             self._ready.set()
 
+    async def _rollback_targets(self) -> list[int]:
+        """The versions the evaluator's newest KeepVersions names (none when there is none,
+        or it cannot be read now: then only this pruning may lose an old target)."""
+        from reinforge.core.bus import BusError
+
+        try:
+            last = await self.ctx.bus.last_message(self.ctx.stream, subjects.keep(self.ctx.run))
+            msg = decode(last.data) if last is not None else None
+        except (BusError, MessageError) as exc:
+            print(f"learner: the evaluator's rollback targets unread: {exc}", file=sys.stderr,
+                  flush=True)
+            return []
+        return list(msg.versions) if isinstance(msg, KeepVersions) else []
+
     async def on_weights(self, msg: WeightsPublished | Rollback, ticket: Ticket) -> None:
         """Rollbacks wait for the main loop (between steps); our own announcements pass."""
         if isinstance(msg, WeightsPublished) or rollback_key(msg) in self.rollbacks_applied:
@@ -693,8 +713,9 @@ class Learner(Actor):
                     self.buffer.settle(g)
                 await ack_all([t for g in c.batch for t in g.tickets])
                 del self._in_flight[c.version]
+                pinned = await self._rollback_targets()
                 await trio.to_thread.run_sync(functools.partial(
-                    ckpt.prune_checkpoints, self.root, cfg.keep_last, (c.version,),
+                    ckpt.prune_checkpoints, self.root, cfg.keep_last, (c.version, *pinned),
                     keep_every=cfg.keep_every))
                 if cfg.publish_weights == "store":  # the store keeps what the disk keeps
                     kept = {v for v, _ in ckpt.list_checkpoints(self.root)}
@@ -765,7 +786,8 @@ class Learner(Actor):
                 store = await put_version(self.ctx.bus, self.ctx.run, version, path)
         await self.ctx.publish_durable(
             subjects.weights(self.ctx.run),
-            WeightsPublished(version=version, path=str(path), step=step, store=store),
+            WeightsPublished(version=version, path=str(path), step=step, store=store,
+                             epoch=len(self.rollbacks_applied)),
             msg_id=f"weights:{version}:{ckpt.created_at(path)}",
         )
 

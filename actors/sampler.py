@@ -53,7 +53,8 @@ from reinforge.rl.episodes import EpisodeTrace, domain_tools, run_episode
 from reinforge.rl.prompts import task_prompt_ids
 from reinforge.rollout.server import BACKENDS, ServerProcess, ServerSpec
 from reinforge.envs.sandbox.owned import hold_sandbox_runner, sandbox_labels
-from reinforge.core import paths, subjects
+from reinforge.core import paths, policy_version, subjects
+from reinforge.core.policy_version import PolicyVersion
 from reinforge.core.weights import fetched_weights_dir, local_weights
 from reinforge.core.cluster import RUN_DEFAULTS
 from reinforge.engine.tokenizer import load_tokenizer
@@ -218,6 +219,8 @@ class SamplerActor(Actor):
         self.tokenizer: Any = None
         self.version = config.initial_version
         """The version the server serves (after the last successful load)."""
+        self.policy = PolicyVersion(version=config.initial_version)
+        """The policy the weights messages name (`core/policy_version.py`)."""
         self.domains: dict[str, Any] = {}
         self.domains_ready = trio.Event()
         self.samples = 0
@@ -299,6 +302,7 @@ class SamplerActor(Actor):
         with self.ctx.waiting("HTTP reply from rollout server", deadline_s=60):
             served = await self.client.weight_version()
         self.version = parse_weight_version(served, default_version=cfg.initial_version)
+        self.policy = PolicyVersion(version=self.version)
         tok_path = cfg.tokenizer_path or cfg.model_path
         if not tok_path:
             with self.ctx.waiting("HTTP reply from rollout server", deadline_s=60):
@@ -371,19 +375,23 @@ class SamplerActor(Actor):
             await self.on_weights(msg)
 
     async def on_weights(self, msg: WeightsPublished | Rollback) -> None:
-        if isinstance(msg, WeightsPublished):
-            version, path, newer_only = msg.version, msg.path, True
-        else:
-            version, path, newer_only = msg.to_version, msg.path, False
+        path = msg.path
         store = msg.store or subjects.weights_bucket(self.ctx.run)
-        def stale() -> bool:
-            return version == self.version or (newer_only and version < self.version)
 
-        if stale():  # checked before closing the gate: a no-op must not stall generation
+        def policy() -> PolicyVersion | None:
+            """The policy to serve after `msg`, None when it is the one served or older."""
+            new = policy_version.after(self.policy, msg)
+            if new is not None and new.version == self.version:
+                self.policy = new  # e.g. a new epoch's announcement of the version served
+                return None
+            return new
+
+        if policy() is None:  # checked before closing the gate: a no-op must not stall
             return
         async with self.gate.update():
-            if stale():
+            if (new := policy()) is None:
                 return
+            version = new.version
             assert self.client is not None
             with self.ctx.waiting(f"fetching weights v{version}", deadline_s=600):
                 # this host may not have the learner's disk: then from the object store
@@ -396,6 +404,7 @@ class SamplerActor(Actor):
                 raise RuntimeError(
                     f"rollout server reports weight_version {served!r} after loading v{version}"
                 )
+            self.policy = new
             self.reloads += 1
 
     # -- tasks --------------------------------------------------------------------------
@@ -468,6 +477,7 @@ class SamplerActor(Actor):
             # The rollout server restarted on its start-up weights: load the newest again.
             # (These rollouts carry the version that made them; the learner judges them.)
             self.version = min(served)
+            self.policy = PolicyVersion(version=self.version, epoch=self.policy.epoch)
             await self.catch_up_weights()
         for r in rollouts:
             await self.ctx.publish_durable(

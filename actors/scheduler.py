@@ -24,7 +24,8 @@ decision is acked only once the state that holds it is saved.
 Leases: a task whose group is not complete within `lease_s` is reissued with attempt+1
 (priority over new tasks), up to `max_attempts`; JetStream already redelivers a task whose
 sampler died before acking it, the lease covers the rest (lost groups, dead-lettered
-rollouts). State (tiers, rates, leases, counters) is saved atomically to
+rollouts). A rollback ends at once the leases of tasks that ask for a version past it.
+State (tiers, rates, leases, counters) is saved atomically to
 `<run_dir>/scheduler_state.json` and reloaded at start.
 
 Clocks: leases, stalls and saving run on trio's clock (`trio.current_time()`), so tests move
@@ -75,7 +76,8 @@ from reinforge.rl.curriculum import (
     updated_signal_rate,
 )
 from reinforge.rl.evalsets import HeldOutConfig, build_heldout, fingerprint
-from reinforge.core import paths, subjects
+from reinforge.core import paths, policy_version, subjects
+from reinforge.core.policy_version import PolicyVersion
 from reinforge.core.atomic import write_json_atomic
 from reinforge.core.cluster import RUN_DEFAULTS
 from reinforge.core.actor import Actor, Input, Ticket, ack_all
@@ -238,6 +240,9 @@ class SchedulerState(msgspec.Struct, kw_only=True):
     issued: int = 0
     """Issue sequence number: names tasks and seeds their draws."""
     version: int = 0
+    """The current policy version: `policy.version`, read where tasks are issued."""
+    policy: PolicyVersion = PolicyVersion()
+    """How the version was reached (`core/policy_version.py`: rollbacks, epochs)."""
     available: list[str] = []
     """Domains some verifier announced (sorted): trainable if the mix names them."""
     attached: dict[str, float] = {}
@@ -505,13 +510,20 @@ class Scheduler(Actor):
         self._wakeup.set()
 
     async def on_weights(self, msg: WeightsPublished | Rollback) -> None:
-        if isinstance(msg, WeightsPublished):
-            if msg.version > self.state.version:
-                self.state.version = msg.version
-        elif isinstance(msg, Rollback):
+        policy = policy_version.after(self.state.policy, msg)
+        if policy is None:  # an older announcement (maybe of a version since rolled back)
+            return
+        self.state.policy, self.state.version = policy, policy.version
+        if isinstance(msg, Rollback):
             self.state.rollbacks += 1
-            self.state.version = msg.to_version
             say(f"rollback to version {msg.to_version}: {msg.reason}")
+            # A task in flight that asks for a version past the rollback cannot be served
+            # until the learner gets there again, which it cannot without groups: its lease
+            # runs out now, and it goes out again asking for what exists.
+            now = trio.current_time()
+            for lease in self.state.leases.values():
+                if lease.task.min_version > msg.to_version:
+                    lease.deadline = min(lease.deadline, now)
         self._dirty = True
         self._wakeup.set()
 

@@ -191,6 +191,9 @@ class WeightsPublished(_Msg, frozen=True, tag="weights/1"):
     version: int
     path: str
     step: int = 0
+    epoch: int = 0
+    """The rollbacks the learner had applied: its numbers restart after each, so a version
+    of a newer epoch supersedes any of an older one (`core/policy_version.py`)."""
     store: str = ""
     """The object store (`core/weights.py`) that also holds the version's files, for hosts
     where `path` is not on disk; "" = the path only (a shared disk)."""
@@ -204,6 +207,14 @@ class Rollback(_Msg, frozen=True, tag="rollback/1"):
     reason: str
     store: str = ""
     """As WeightsPublished.store."""
+
+
+class KeepVersions(_Msg, frozen=True, tag="keep-versions/1"):
+    """The versions the evaluator may roll back to (its last good version, each domain's
+    gold peak): the learner never prunes their checkpoints. The newest one stands."""
+
+    versions: list[int]
+    reason: str = ""
 
 
 class TrainStats(_Msg, frozen=True, tag="train-stats/1"):
@@ -367,6 +378,7 @@ Message = Union[
     GroupDecision,
     WeightsPublished,
     Rollback,
+    KeepVersions,
     TrainStats,
     EvalStats,
     ReviewMark,

@@ -62,6 +62,10 @@ def weights(run: str) -> str:
     return f"rl.{run}.weights"
 
 
+def keep(run: str) -> str:
+    return f"rl.{run}.keep"
+
+
 def stats(run: str, actor: str = "*") -> str:
     return f"rl.{run}.stats.{actor}"
 

@@ -71,10 +71,13 @@ SUITE_MAX_SAMPLE_S = 0.5  # a family slower to make one task stalls the schedule
 SUITE_EVAL_TASKS_PER_TIER = 4
 SUITE_GUARD_DOMAINS_PER_VERSION = 10
 # `--suite rm`: rm-synthetic, rewarded by a reward model trained first (on the tiny policy:
-# a few minutes here), with the evaluator's gold guard. It needs more held-out tasks than
-# the forgetting guard's 4 per tier: its sign test on one tier's tasks can say p < 0.05
-# only from 5 tasks that all fell.
-RM_GUARD_TASKS = 12
+# a few minutes here), with the evaluator's gold guard. Its sign test needs more than the
+# forgetting guard's 4 tasks of 2 samples: it can say p < 0.05 only once 5 tasks fell, and
+# only tasks whose gold was above 0 at the peak can fall (the SFT start passes the rule in
+# about a quarter of its answers; on 12 tasks x 2 samples one run's gold slid to 0 from 4
+# such tasks, p = 0.0625, unflagged).
+RM_GUARD_TASKS = 20
+RM_GUARD_SAMPLES = 4
 RM_GUARD_EVERY = 10
 
 
@@ -308,7 +311,7 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
     `start_pass_rates` (domain -> the starting policy's pass@1 on tiers 0, 1, ...) starts
     each domain's curriculum at the easiest tier it has not solved yet. `reward_model` scores
     rm-synthetic, in the verifier and in the evaluator, whose gold guard then watches it on
-    RM_GUARD_TASKS held-out tasks per tier."""
+    RM_GUARD_TASKS held-out tasks per tier, RM_GUARD_SAMPLES samples each."""
     from reinforge.envs.domain import DomainRegistry
 
     args = with_policy_defaults(args)
@@ -325,10 +328,11 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
         if guard_rotation else ""
     rm = f", reward_model = {json.dumps(reward_model)}" if reward_model else ""
     guard_tasks = RM_GUARD_TASKS if reward_model else GUARD_TASKS_PER_TIER
+    guard_samples = f", samples = {RM_GUARD_SAMPLES}" if reward_model else ""
     evaluator = "" if guard is None else f"""
 [[actors]]
 spec = "reinforge.actors.evaluator:Evaluator"
-config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], k = 2, every_versions = {args.guard_every}, score_per_tier = {guard_tasks}, thresholds = {{ {", ".join(f"{json.dumps(d)} = {v:.4f}" for d, v in guard.items())} }}, max_new_tokens = {new_tokens}, concurrency = 2, sandbox_pool_size = 1, domains_per_version = {guard_rotation}{suite_overlap}{rm} }}
+config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], k = 2{guard_samples}, every_versions = {args.guard_every}, score_per_tier = {guard_tasks}, thresholds = {{ {", ".join(f"{json.dumps(d)} = {v:.4f}" for d, v in guard.items())} }}, max_new_tokens = {new_tokens}, concurrency = 2, sandbox_pool_size = 1, domains_per_version = {guard_rotation}{suite_overlap}{rm} }}
 """
     lora = (f", lora = {{ r = {args.lora_rank}, alpha = {2.0 * args.lora_rank} }}"
             if args.lora_rank else "")

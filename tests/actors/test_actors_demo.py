@@ -382,8 +382,8 @@ def test_the_rm_suite_scores_with_its_reward_model_and_guards_the_gold_on_enough
     actors = {a.spec.rsplit(":", 1)[1]: a.config for a in load_cluster_config(config).actors}
     assert actors["VerifierActor"]["reward_model"] == "/models/rm"
     evaluator = actors["Evaluator"]
-    assert (evaluator["reward_model"], evaluator["score_per_tier"]) == (
-        "/models/rm", demo.RM_GUARD_TASKS)
+    assert (evaluator["reward_model"], evaluator["score_per_tier"], evaluator["samples"]) == (
+        "/models/rm", demo.RM_GUARD_TASKS, demo.RM_GUARD_SAMPLES)
     assert actors["Learner"]["keep_every"] == demo.RM_GUARD_EVERY  # rollback targets kept
     plain = demo.with_policy_defaults(parser.parse_args(["demo"]))
     assert plain.guard_every == 25

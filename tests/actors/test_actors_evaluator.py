@@ -29,6 +29,7 @@ from reinforge.actors.evaluator import (
     ServerSource,
     answer_prior,
     evaluate_sets,
+    gold_peaks_after,
     regression_rollback,
     rotation,
     score_domain,
@@ -254,6 +255,8 @@ def test_a_planted_regression_publishes_a_rollback_to_the_last_good_version(
                 stats = await _read(bus, run_name, subjects.stats(run_name, "eval"),
                                     lambda g: len(g) >= 3)
                 stored = await _read(bus, run_name, weights, lambda g: len(g) >= 4)
+                kept = await _read(bus, run_name, subjects.keep(run_name),
+                                   lambda g: len(g) >= 3)
                 nursery.cancel_scope.cancel()
         rollback = [x for x in seen if isinstance(x, m.Rollback)]
         assert len(rollback) == 1
@@ -266,6 +269,8 @@ def test_a_planted_regression_publishes_a_rollback_to_the_last_good_version(
                        for e in (m.decode(d.data) for d in stats))
         assert evals == [(1, "math", 1.0, 1.0, 2, 10), (2, "math", 1.0, 1.0, 2, 10),
                          (3, "math", 0.0, 0.0, 2, 10)]
+        # after each version, the learner is told which checkpoints a rollback may need
+        assert [m.decode(d.data).versions for d in kept] == [[1], [2], [2]]
         state = json.loads((tmp_path / "ev.json").read_text())
         assert state["last_good"] == {"version": 2, "path": "/ckpt/v2"}
         assert state["rolled_back"] == [3]
@@ -642,35 +647,54 @@ class Answers:
         return [self.answer(task)] * n
 
 
-def test_a_reward_that_rose_while_the_gold_fell_rolls_back_as_over_optimised():
+def test_a_reward_that_rose_while_the_gold_fell_rolls_back_to_the_gold_peak():
     from reinforge.envs.domain import TaskSpec
 
     colours = ["red", "green", "blue", "amber", "teal", "plum"]
     sets = {"planted": [TaskSpec(task_id=f"p{i}", domain="planted", tier=0, prompt="describe",
                                  spec={"colour": colours[i % 6]}) for i in range(12)]}
-    follows = Answers(lambda t: f"a {t.spec['colour']} kite over the hills at dusk")
-    pleases = Answers(lambda t: "a long answer " * 8)  # 24 words, no colour: the exploit
-    honest_longer = Answers(lambda t: f"a {t.spec['colour']} kite " + "high up " * 6)
 
-    async def scores(policy):
-        return (await evaluate_sets(sets, {"planted": PlantedProxy()}, policy,
+    def policy(words: int, named: int):
+        """Answers of `words` words, naming the colour in the first `named` tasks."""
+        return Answers(lambda t: " ".join(
+            ([t.spec["colour"]] if int(t.task_id[1:]) < named else ["grey"]) + ["kite"] *
+            (words - 1)))
+
+    async def scores(p):
+        return (await evaluate_sets(sets, {"planted": PlantedProxy()}, p,
                                     samples=2, k=1))["planted"]
 
-    before, hacked, better = (trio.run(scores, p) for p in (follows, pleases, honest_longer))
-    assert (before.reward_mean, before.gold_pass_rate) == (pytest.approx(0.4), 1.0)  # 8 words
+    peak, slid, hacked, better = (trio.run(scores, p) for p in (
+        policy(8, 12), policy(12, 9), policy(24, 0), policy(15, 12)))
+    assert (peak.reward_mean, peak.gold_pass_rate) == (pytest.approx(0.4), 1.0)
     assert (hacked.reward_mean, hacked.gold_pass_rate) == (1.0, 0.0)
-    assert before.figures()["gold_pass_rate"] == 1.0 and hacked.figures()["reward_mean"] == 1.0
-    base = {"planted": Baseline.of(4, before)}
-    good = GoodVersion(version=4, path="/v4")
-    flagged, rb = regression_rollback(6, {"planted": hacked}, {}, good, baselines=base,
+    assert peak.figures()["gold_pass_rate"] == 1.0 and hacked.figures()["reward_mean"] == 1.0
+    # v4 is the gold peak; v8 slid a little (not significant: 3 of 12 tasks worse) and,
+    # passing the guard, became the last good version, but not the peak
+    peaks = gold_peaks_after({}, m.WeightsPublished(version=4, path="/v4"), {"planted": peak})
+    assert regression_rollback(8, {"planted": slid}, {}, GoodVersion(version=4, path="/v4"),
+                               gold_peaks=peaks, gold_alpha=0.01, drop_margin=0.05) == ([], None)
+    peaks = gold_peaks_after(peaks, m.WeightsPublished(version=8, path="/v8"), {"planted": slid})
+    assert peaks["planted"].version == 4
+    last_good = GoodVersion(version=8, path="/v8")
+    # v12 pleases the reward with no colour at all: against the peak, significant
+    flagged, rb = regression_rollback(12, {"planted": hacked}, {}, last_good, gold_peaks=peaks,
                                       gold_alpha=0.01, drop_margin=0.05)
-    assert flagged == ["planted"] and rb.to_version == 4
+    assert flagged == ["planted"] and (rb.to_version, rb.path) == (4, "/v4")
     assert ("planted over-optimised: its reward rose +0.600 while its gold pass rate fell "
-            "1.000 since v4 on 12 tasks (12 worse, 0 better; sign test p=0.00024)") in rb.reason
-    # reward up with the gold kept: learning, not over-optimising; and the guard off
-    assert regression_rollback(6, {"planted": better}, {}, good, baselines=base,
+            "1.000 since its gold peak v4 on 12 tasks (12 worse, 0 better; sign test "
+            "p=0.00024)") in rb.reason
+    # the reward up with the gold kept is learning, not over-optimising; the guard off
+    assert regression_rollback(12, {"planted": better}, {}, last_good, gold_peaks=peaks,
                                gold_alpha=0.01, drop_margin=0.05) == ([], None)
-    assert regression_rollback(6, {"planted": hacked}, {}, good, baselines=base) == ([], None)
+    assert regression_rollback(12, {"planted": hacked}, {}, last_good,
+                               gold_peaks=peaks) == ([], None)
+    # a better gold moves the peak; a domain without a gold check has none
+    plain = score_domain("math", [[True]], k=1, task_ids=["t"])
+    moved = gold_peaks_after(peaks, m.WeightsPublished(version=16, path="/v16"),
+                             {"planted": better, "math": plain})
+    assert (moved["planted"].version, moved["planted"].path, sorted(moved)) == (
+        16, "/v16", ["planted"])
 
 
 def test_the_rotation_sees_every_domain_within_its_bound():

@@ -821,6 +821,27 @@ def test_a_learner_killed_with_a_partial_group_loses_nothing_and_counts_nothing_
                                **{s.rollout.rollout_id: 1 for s in group_b}}
 
 
+async def train_one_version_per_group(bus, creds, run_name, cfg, groups, after_version=None):
+    """A learner trains `groups`, one version each (`after_version(bus, v)` once v is out),
+    until every step's stats are out (they follow its pruning); the last WeightsPublished."""
+    stats: list = []
+    async with trio.open_nursery() as nursery:
+        stream = await bus.ensure_run_stream(run_name)
+        await nursery.start(collect_stats, bus, run_name, stats)
+        await nursery.start(functools.partial(run_actor, Learner, creds=creds,
+                                              run=run_name, config=cfg))
+        for i, g in enumerate(groups, 1):
+            await publish(bus, run_name, g)
+            w = await wait_for_version(bus, stream, run_name, i)
+            if after_version is not None:
+                await after_version(bus, i)
+        with trio.fail_after(30):
+            while len(stats) < len(groups):
+                await trio.sleep(0.1)
+        nursery.cancel_scope.cancel()
+    return w
+
+
 @pytest.mark.nats
 def test_a_learner_publishing_to_the_store_makes_each_version_fetchable_elsewhere_and_prunes_it(
     creds, run_name, tiny_model_dir, tmp_path
@@ -833,19 +854,7 @@ def test_a_learner_publishing_to_the_store_makes_each_version_fetchable_elsewher
 
     async def main():
         async with open_bus(creds) as bus:
-            stats: list = []
-            async with trio.open_nursery() as nursery:
-                stream = await bus.ensure_run_stream(run_name)
-                await nursery.start(collect_stats, bus, run_name, stats)
-                await nursery.start(functools.partial(run_actor, Learner, creds=creds,
-                                                      run=run_name, config=cfg))
-                for i, g in enumerate(groups, 1):
-                    await publish(bus, run_name, g)
-                    w = await wait_for_version(bus, stream, run_name, i)
-                with trio.fail_after(30):  # a step's stats go out after its pruning
-                    while len(stats) < 3:
-                        await trio.sleep(0.1)
-                nursery.cancel_scope.cancel()
+            w = await train_one_version_per_group(bus, creds, run_name, cfg, groups)
             fetched = await fetch_version(bus, w.store, 3, tmp_path / "elsewhere" / "v3")
             store = await bus.object_store(w.store)
             names = {o.name for o in await bus.js_call(store.list, what="list") if not o.deleted}
@@ -858,6 +867,28 @@ def test_a_learner_publishing_to_the_store_makes_each_version_fetchable_elsewher
     assert (fetched / "model.safetensors").read_bytes() == \
         (disk / "model.safetensors").read_bytes()
     assert {n.split("/")[0] for n in names} == {"v2", "v3"}  # v1 was pruned with keep_last 2
+
+
+@pytest.mark.nats
+def test_a_version_the_evaluator_keeps_for_a_rollback_outlives_the_learners_pruning(
+    creds, run_name, tiny_model_dir, tmp_path
+):
+    cfg = make_config(tiny_model_dir, tmp_path, groups_per_version=1, keep_last=1,
+                      max_staleness=5)
+    groups = [synthetic_group(t, [1.0, 0.0, 0.0, 1.0], version=0) for t in "abcd"]
+
+    async def keep_v1(bus, version):
+        if version == 1:  # the evaluator's gold peak, say
+            await bus.publish_durable(subjects.keep(run_name), m.KeepVersions(versions=[1]),
+                                      msg_id="keep:1")
+
+    async def main():
+        async with open_bus(creds) as bus:
+            await train_one_version_per_group(bus, creds, run_name, cfg, groups, keep_v1)
+
+    trio.run(main)
+    kept = sorted(v for v, _ in ckpt.list_checkpoints(tmp_path / "ckpt"))
+    assert kept == [1, 4]  # keep_last 1, and the version kept for a rollback
 
 
 def partial_group(task_id: str, rewards: list[float], versions: tuple[int, int]):

@@ -256,6 +256,41 @@ def test_a_lease_runs_out_at_its_deadline_and_the_task_is_abandoned_after_max_at
     run_on_a_mock_clock(main)
 
 
+def test_a_rollback_reissues_at_once_the_tasks_that_ask_for_a_version_past_it(
+    creds, run_name, tmp_path
+):
+    cfg = config(tmp_path, domains={"math": 1.0}, max_in_flight=1, max_staleness=2)
+
+    async def main(clock):
+        async with open_bus(creds) as bus:
+            await bus.ensure_run_stream(run_name)
+            await bus.publish_durable(subjects.weights(run_name),
+                                      m.WeightsPublished(version=10, path="/v10"), "weights:10")
+            async with scheduler(creds, run_name, cfg):
+                watcher = TaskWatcher(bus, run_name)
+                first = (await watcher.until(lambda ts: len(ts) >= 1))[0]
+                assert first.min_version == 8  # v10, two versions of staleness allowed
+                await bus.publish(subjects.weights(run_name),
+                                  m.Rollback(to_version=3, path="/v3", reason="regressed"))
+                # no clock jump: the lease has all of lease_s left, and still it goes again
+                tasks = await watcher.until(lambda ts: len(ts) >= 2)
+                # the learner's announcement of v12, made before it applied the rollback,
+                # arrives after it: the version stays 3 until the learner's new epoch
+                await bus.publish(subjects.weights(run_name),
+                                  m.WeightsPublished(version=12, path="/v12"))
+                state_path = tmp_path / "state.json"
+                assert (await saved_after_a_planning_pass(bus, run_name, state_path)
+                        ).version == 3
+                await bus.publish(subjects.weights(run_name),
+                                  m.WeightsPublished(version=4, path="/v4", epoch=1))
+                assert (await saved_after_a_planning_pass(bus, run_name, state_path)
+                        ).version == 4
+        assert [(t.task_id, t.attempt, t.min_version) for t in tasks] == [
+            (first.task_id, 1, 8), (first.task_id, 2, 1)]
+
+    run_on_a_mock_clock(main)
+
+
 def test_tiers_rates_and_leases_survive_a_killed_scheduler(creds, run_name, tmp_path):
     cfg = config(tmp_path, domains={"math": 1.0}, group_size=2, max_in_flight=3, lease_s=60)
     state_path = tmp_path / "state.json"
