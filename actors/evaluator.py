@@ -66,7 +66,8 @@ from reinforge.rl.scoring import (
     paired_delta,
     score_domain,
 )
-from reinforge.core import paths, subjects
+from reinforge.core import paths, policy_version, subjects
+from reinforge.core.policy_version import PolicyVersion
 from reinforge.core.actor import Actor, Input
 from reinforge.core.atomic import write_json_atomic
 from reinforge.core.weights import WeightsUnavailable, fetched_weights_dir, local_weights
@@ -361,6 +362,12 @@ def regression_rollback(
     )
 
 
+def epoch_tag(msg: WeightsPublished) -> str:
+    """What tells apart the messages about two versions of one number (the learner reuses
+    the numbers past a rollback): "" in the first epoch, so ids stay as they were."""
+    return f":e{msg.epoch}" if msg.epoch else ""
+
+
 def gold_peaks_after(peaks: Mapping[str, Baseline], good: WeightsPublished,
                      scores: Mapping[str, DomainScore]) -> dict[str, Baseline]:
     """The gold peaks once `good` (a version that passed the guard) scored `scores`: a
@@ -499,6 +506,8 @@ class Evaluator(Actor):
         self.fetched = fetched_weights_dir("eval")
         self.last_scores: dict[str, DomainScore] = {}
         self.skipped_versions = 0
+        self.policy = PolicyVersion()
+        """The current policy by the weights messages (`core/policy_version.py`)."""
 
     async def _feed_training_prompts(self, checker: ContaminationChecker) -> None:
         """The training files, then every training task already stored in the run's stream."""
@@ -576,6 +585,13 @@ class Evaluator(Actor):
 
     async def on_weights(self, msg: WeightsPublished | Rollback) -> None:
         cfg: EvaluatorConfig = self.config
+        policy = policy_version.after(self.policy, msg)
+        self.policy = policy or self.policy
+        if isinstance(msg, WeightsPublished) and policy is None:
+            # announced before a rollback the learner has since applied (or older than what
+            # was scored): judging it would roll the learner back from a good lineage
+            self.skipped_versions += 1
+            return
         if isinstance(msg, Rollback):
             # the learner reuses the numbers (and paths) past to_version: score them afresh
             self.state.evaluated = [k for k in self.state.evaluated
@@ -606,7 +622,7 @@ class Evaluator(Actor):
                                          samples=cfg.samples or cfg.k, k=cfg.k,
                                          concurrency=cfg.concurrency)
         self.last_scores = scores
-        await self.publish_scores(msg.version, scores, time.monotonic() - t0)
+        await self.publish_scores(msg, scores, time.monotonic() - t0)
         await self.guard(msg, scores)
         await self.keep_rollback_targets(msg.version)
         self.state.rotation_start += len(names)
@@ -614,9 +630,10 @@ class Evaluator(Actor):
         write_json_atomic(self.state_path, self.state)
 
     async def publish_scores(
-        self, version: int, scores: dict[str, DomainScore], took_s: float
+        self, msg: WeightsPublished, scores: dict[str, DomainScore], took_s: float
     ) -> None:
         cfg: EvaluatorConfig = self.config
+        version = msg.version
         for d, s in scores.items():
             stats = EvalStats(version=version, domain=d, pass_at_1=s.pass_at_1,
                               pass_at_k=s.pass_at_k, k=s.k, n_tasks=s.n_tasks,
@@ -625,7 +642,7 @@ class Evaluator(Actor):
                                           if d in cfg.thresholds else {})})
             await self.ctx.publish(subjects.stats(self.ctx.run, "evaluator"), stats)
             await self.ctx.publish_durable(subjects.stats(self.ctx.run, "eval"), stats,
-                                           msg_id=f"eval:{version}:{d}")
+                                           msg_id=f"eval:{version}:{d}{epoch_tag(msg)}")
             print(f"evaluator: v{version} {d}: pass@1 {s.pass_at_1:.3f} pass@{s.k} "
                   f"{s.pass_at_k:.3f} over {s.n_tasks} tasks x {s.samples}", file=sys.stderr,
                   flush=True)
@@ -651,7 +668,8 @@ class Evaluator(Actor):
         loud(f"REGRESSION: {rollback.reason}; rolling back to version {rollback.to_version} "
              f"({rollback.path})")
         await self.ctx.publish_durable(subjects.weights(self.ctx.run), rollback,
-                                       msg_id=f"rollback:{rollback.to_version}:{msg.version}")
+                                       msg_id=f"rollback:{rollback.to_version}:{msg.version}"
+                                              f"{epoch_tag(msg)}")
         self.state.rolled_back.append(msg.version)
 
     async def keep_rollback_targets(self, version: int) -> None:

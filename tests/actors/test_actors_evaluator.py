@@ -279,6 +279,39 @@ def test_a_planted_regression_publishes_a_rollback_to_the_last_good_version(
 
 
 @pytest.mark.nats
+def test_a_version_announced_before_the_learner_applied_a_rollback_is_not_judged(
+    creds, run_name, tmp_path
+):
+    cfg = EvaluatorConfig(domains=["math"], k=2, samples=2, heldout=HELD,
+                          thresholds={"math": 0.5}, state_file=str(tmp_path / "ev.json"))
+
+    async def main():
+        async with open_bus(creds) as bus:
+            await bus.ensure_run_stream(run_name)
+            weights = subjects.weights(run_name)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(functools.partial(
+                    run_actor, ScriptedEvaluator, creds=creds, run=run_name, config=cfg))
+                for v in (1, 2, 3):  # v3 is bad: rolled back to v2
+                    await bus.publish_durable(
+                        weights, m.WeightsPublished(version=v, path=f"/ckpt/v{v}"),
+                        msg_id=f"weights:{v}")
+                await _read(bus, run_name, weights, lambda g: len(g) >= 4)  # the rollback
+                # the learner announced v4 before it applied the rollback; then, in its new
+                # epoch, v3 again (a new checkpoint)
+                for msg in (m.WeightsPublished(version=4, path="/ckpt/v4"),
+                            m.WeightsPublished(version=3, path="/ckpt/v3b", epoch=1)):
+                    await bus.publish_durable(weights, msg, msg_id=f"w:{msg.path}")
+                stats = await _read(bus, run_name, subjects.stats(run_name, "eval"),
+                                    lambda g: len(g) >= 4)
+                nursery.cancel_scope.cancel()
+        return [(e.version, e.pass_at_1) for e in (m.decode(d.data) for d in stats)]
+
+    # v4 was not scored; the new epoch's v3 was (and failed, as every v3 here does)
+    assert trio.run(main) == [(1, 1.0), (2, 1.0), (3, 0.0), (3, 0.0)]
+
+
+@pytest.mark.nats
 def test_the_evaluator_refuses_to_start_when_issued_training_tasks_overlap_its_held_out_set(
     creds, run_name, tmp_path
 ):
