@@ -63,6 +63,7 @@ from reinforge.rl.scoring import (
     DomainScore,
     answer_signature,
     drop_test,
+    mean_or_none,
     paired_delta,
     score_domain,
 )
@@ -304,7 +305,7 @@ class Baseline(msgspec.Struct, frozen=True, kw_only=True):
                    task_reward=score.task_reward, task_gold=score.task_gold, path=path)
 
     def gold(self) -> float:
-        return sum(self.task_gold.values()) / len(self.task_gold) if self.task_gold else 0.0
+        return mean_or_none(self.task_gold.values()) or 0.0
 
 
 def regression_rollback(

@@ -38,6 +38,7 @@ import msgspec
 import trio
 
 from reinforge.metrics import writers as mx
+from reinforge.rl.scoring import mean_or_none
 from reinforge.core import paths, subjects
 from reinforge.core.actor import Actor, Input
 from reinforge.core.messages import (
@@ -302,7 +303,7 @@ class MonitorState:
             samples_total=sum(self.samples.values()),
             samples_per_s=len(recent) / span,
             tokens_per_s=sum(x.tokens for x in recent) / span,
-            staleness_mean=_mean(stale),
+            staleness_mean=mean_or_none(stale),
             staleness_max=max(stale) if stale else None,
             train_step=train.step if train else None,
             train_loss=train.loss if train else None,
@@ -325,9 +326,9 @@ class MonitorState:
             infra_errors=self.outcomes[(domain, Outcome.INFRA_ERROR.value)],
             tokens=self.tokens[domain],
             samples_per_s=len(recent) / span,
-            reward_mean=_mean([x.reward for x in scored]),
-            pass_rate=_mean([1.0 if x.outcome is Outcome.PASS else 0.0 for x in scored]),
-            tier_mean=_mean([float(x.tier) for x in recent]),
+            reward_mean=mean_or_none([x.reward for x in scored]),
+            pass_rate=mean_or_none([1.0 if x.outcome is Outcome.PASS else 0.0 for x in scored]),
+            tier_mean=mean_or_none([float(x.tier) for x in recent]),
             tier_mix={str(t): n / len(recent) for t, n in sorted(tiers.items())},
             eval_version=last.version if last else None,
             eval_pass_at_1=last.pass_at_1 if last else None,
@@ -373,10 +374,6 @@ class MonitorState:
         per_version_s = (self._last_version_t - t0) / done
         return max((self.target_version - self.policy_version) * per_version_s
                    - (now - self._last_version_t), 0.0)
-
-
-def _mean(xs: list[float] | list[int]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
 
 
 _TRAIN_STATS_FIGURES = tuple(

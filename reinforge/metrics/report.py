@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 
 from reinforge.metrics.writers import read_jsonl, write_json_file
+from reinforge.rl.scoring import mean_or_none
 
 Record = dict[str, Any]
 
@@ -94,10 +95,6 @@ def early_late(values: list[float], fraction: float = 0.2) -> tuple[float | None
     return sum(values[:n]) / n, sum(values[-n:]) / n
 
 
-def _mean(xs: list[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
-
-
 def _is_signal(r: Record) -> bool:
     return r.get("outcome") != "infra_error"
 
@@ -160,7 +157,7 @@ def review_figures(marks: list[Record]) -> dict[str, Any]:
         "reviewed_rollouts": len({r["rollout_id"] for r in marks}),
         "marked_wrong_reward": sum(r["mark"] == "wrong_reward" for r in marks),
         "marked_exploit": sum(r["mark"] == "exploit" for r in marks),
-        "review_correction_mean": _mean([float(r["corrected_reward"]) - float(r["recorded_reward"])
+        "review_correction_mean": mean_or_none([float(r["corrected_reward"]) - float(r["recorded_reward"])
                                          for r in marks]),
     }
 
@@ -211,15 +208,15 @@ def summarise(records: list[Record]) -> tuple[dict[str, Any], dict[str, dict[str
         "samples_scored": len(scored),
         "samples_per_s": len(scored) / duration if duration > 0 and scored else None,
         "tokens_generated": sum(int(r.get("tokens", 0)) for r in scored),
-        "reward_mean": _mean([float(r["reward"]) for r in signal]),
-        "pass_rate": _mean([1.0 if r["outcome"] == "pass" else 0.0 for r in signal]),
+        "reward_mean": mean_or_none([float(r["reward"]) for r in signal]),
+        "pass_rate": mean_or_none([1.0 if r["outcome"] == "pass" else 0.0 for r in signal]),
         "infra_errors": len(scored) - len(signal),
         "policy_version": last_version,
         "versions_published": len(weights),
         "rollbacks": len(kinds.get("rollback", [])),
         "train_steps": len(train),
         "final_loss": train[-1]["loss"] if train else None,
-        "staleness_mean": _mean(stale),
+        "staleness_mean": mean_or_none(stale),
         "staleness_max": max(stale) if stale else None,
     }
     marks = kinds.get("review", [])
@@ -278,7 +275,7 @@ def summarise(records: list[Record]) -> tuple[dict[str, Any], dict[str, dict[str
     for kind, acc in sorted(per_type.items()):
         processes[kind] = {
             "processes": len(set(acc["ids"])),
-            "cpu_percent_mean": _mean(acc["cpu"]),
+            "cpu_percent_mean": mean_or_none(acc["cpu"]),
             "cpu_percent_max": max(acc["cpu"]),
             "rss_mib_max": max(acc["rss"]) / 2**20,
         }

@@ -153,14 +153,15 @@ def score_domain(
         rejected_tasks=rejected_tasks,
         task_pass_at_1=per_task,
         answer_mode_share=mode_share(answers),
-        reward_mean=_mean(task_reward.values()) or 0.0,
+        reward_mean=mean_or_none(task_reward.values()) or 0.0,
         task_reward=task_reward if task_ids else {},
-        gold_pass_rate=_mean(task_gold.values()),
+        gold_pass_rate=mean_or_none(task_gold.values()),
         task_gold=task_gold if task_ids else {},
     )
 
 
-def _mean(values: Iterable[float]) -> float | None:
+def mean_or_none(values: Iterable[float]) -> float | None:
+    """The mean, or None for no values (a figure the data does not have)."""
     values = list(values)
     return sum(values) / len(values) if values else None
 

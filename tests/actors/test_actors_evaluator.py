@@ -228,12 +228,25 @@ async def _read(bus, run, subject, until, timeout_s=30.0):
     return got
 
 
+def guard_config(tmp_path) -> EvaluatorConfig:
+    """The guard of the ScriptedEvaluator tests: math at a 0.5 floor, 2 samples a task."""
+    return EvaluatorConfig(domains=["math"], k=2, samples=2, heldout=HELD,
+                           thresholds={"math": 0.5}, state_file=str(tmp_path / "ev.json"))
+
+
+async def announce(bus, weights: str, versions) -> None:
+    """The learner's announcements of `versions`, as it makes them."""
+    for v in versions:
+        await bus.publish_durable(
+            weights, m.WeightsPublished(version=v, path=f"/ckpt/v{v}", step=v * 10),
+            msg_id=f"weights:{v}")
+
+
 @pytest.mark.nats
 def test_a_planted_regression_publishes_a_rollback_to_the_last_good_version(
     creds, run_name, tmp_path
 ):
-    cfg = EvaluatorConfig(domains=["math"], k=2, samples=2, heldout=HELD,
-                          thresholds={"math": 0.5}, state_file=str(tmp_path / "ev.json"))
+    cfg = guard_config(tmp_path)
 
     async def main():
         async with open_bus(creds) as bus:
@@ -242,10 +255,7 @@ def test_a_planted_regression_publishes_a_rollback_to_the_last_good_version(
             async with trio.open_nursery() as nursery, bus.subscribe(weights) as follower:
                 await nursery.start(functools.partial(
                     run_actor, ScriptedEvaluator, creds=creds, run=run_name, config=cfg))
-                for v in (1, 2, 3):
-                    await bus.publish_durable(
-                        weights, m.WeightsPublished(version=v, path=f"/ckpt/v{v}", step=v * 10),
-                        msg_id=f"weights:{v}")
+                await announce(bus, weights, (1, 2, 3))
                 with trio.fail_after(30):  # what a sampler/learner subscribed to weights sees
                     seen = []
                     async for batch in follower:
@@ -282,8 +292,7 @@ def test_a_planted_regression_publishes_a_rollback_to_the_last_good_version(
 def test_a_version_announced_before_the_learner_applied_a_rollback_is_not_judged(
     creds, run_name, tmp_path
 ):
-    cfg = EvaluatorConfig(domains=["math"], k=2, samples=2, heldout=HELD,
-                          thresholds={"math": 0.5}, state_file=str(tmp_path / "ev.json"))
+    cfg = guard_config(tmp_path)
 
     async def main():
         async with open_bus(creds) as bus:
@@ -292,10 +301,7 @@ def test_a_version_announced_before_the_learner_applied_a_rollback_is_not_judged
             async with trio.open_nursery() as nursery:
                 await nursery.start(functools.partial(
                     run_actor, ScriptedEvaluator, creds=creds, run=run_name, config=cfg))
-                for v in (1, 2, 3):  # v3 is bad: rolled back to v2
-                    await bus.publish_durable(
-                        weights, m.WeightsPublished(version=v, path=f"/ckpt/v{v}"),
-                        msg_id=f"weights:{v}")
+                await announce(bus, weights, (1, 2, 3))  # v3 is bad: rolled back to v2
                 await _read(bus, run_name, weights, lambda g: len(g) >= 4)  # the rollback
                 # the learner announced v4 before it applied the rollback; then, in its new
                 # epoch, v3 again (a new checkpoint)
