@@ -74,7 +74,8 @@ def test_a_short_demo_advances_versions_scores_every_domain_and_writes_the_repor
     assert scored == {"math", "code", "docqa"}
     # the report's frontier reads each offline evaluation's modal answer share
     assert set(start_evals) == {"math", "code", "docqa"}
-    assert {d: round(share, 4) for d, share in start_evals.items()} == \
+    # (the answer prior covers the trained domains: docqa's only when it was trained)
+    assert {d: round(start_evals[d], 4) for d in result["answer_prior"]} == \
         {d: prior["modal_answer_share"][0] for d, prior in result["answer_prior"].items()}
     report = Path(result["report"])
     assert report.exists() and "reward" in report.read_text().lower()
