@@ -23,12 +23,10 @@ is noticed in seconds rather than after the two-minute default.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +35,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from reinforge.core.natsd import NatsCredentials, NatsServerError, find_nats_server
+from reinforge.core.ports import free_ports
 
 CLIENT_PORT = 4222
 ROUTE_PORT = 6222
@@ -156,19 +155,17 @@ class NatsCluster:
     # -- configuration ------------------------------------------------------------------
 
     def _assign_ports(self) -> None:
-        """Free loopback ports for the nodes' unset ports, all distinct: every socket is held
-        until all are chosen (closing each at once let the kernel hand one out twice)."""
+        """Free loopback ports for the nodes' unset ports, all distinct."""
         wanted = [(n, attr) for n in self.nodes
                   for attr in ("client_port", "route_port", "monitor_port")
                   if not getattr(n, attr)]
         for n, _ in wanted:
             if n.netns:
                 raise ValueError(f"node {n.name} in netns {n.netns} needs fixed ports")
-        with contextlib.ExitStack() as held:
-            for n, attr in wanted:
-                s = held.enter_context(socket.socket())
-                s.bind(("127.0.0.1", 0))
-                setattr(n, attr, s.getsockname()[1])
+        if not wanted:
+            return
+        for (n, attr), port in zip(wanted, free_ports(len(wanted))):
+            setattr(n, attr, port)
 
     def config_text(self, node: ClusterNode) -> str:
         """The nats-server config of `node` (contains secrets: written 0600)."""

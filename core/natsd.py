@@ -23,6 +23,7 @@ from pathlib import Path
 
 import msgspec
 from reinforge.core.atomic import write_json_atomic
+from reinforge.core.ports import free_ports
 
 
 class NatsServerError(RuntimeError):
@@ -114,10 +115,10 @@ class EmbeddedNats:
 
     def _write_config(self) -> Path:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        if not self.port:
-            self.port = _free_port()
-        if not self.monitor_port:
-            self.monitor_port = _free_port()
+        if not self.port or not self.monitor_port:
+            client, monitor = free_ports(2)
+            self.port = self.port or client
+            self.monitor_port = self.monitor_port or monitor
         conf = self.data_dir / "nats-server.conf"
         js = ""
         if self.jetstream:
@@ -201,12 +202,6 @@ class EmbeddedNats:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _port_open(port: int) -> bool:

@@ -109,17 +109,16 @@ def podman_url() -> str:
 def chromedriver() -> Iterator[str]:
     """A real chromedriver (W3C WebDriver) for Debian's headless Chromium; its URL."""
     import shutil
-    import socket
     import time
 
     import httpx
 
+    from reinforge.core.ports import free_port
+
     driver = shutil.which("chromedriver")
     require(driver is not None and shutil.which("chromium") is not None,
             "Chromium and chromedriver are missing: run `sudo scripts/setup_browser.sh`")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([driver, f"--port={port}"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

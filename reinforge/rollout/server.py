@@ -15,6 +15,7 @@ import msgspec
 import trio
 
 from reinforge.core.children import die_with_parent
+from reinforge.core.ports import free_port
 from reinforge.rollout.client import RolloutClient
 from reinforge.rollout.command import serve_argv
 
@@ -48,16 +49,8 @@ def server_command(cfg: ServerSpec, port_file: str) -> list[str]:
         return serve_argv(cfg.model_path, port_file=port_file,
                           weight_version=cfg.initial_version, extra=cfg.server_args)
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path,
-            "--host", "127.0.0.1", "--port", str(_free_port()),
+            "--host", "127.0.0.1", "--port", str(free_port()),
             "--weight-version", str(cfg.initial_version), *cfg.server_args]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

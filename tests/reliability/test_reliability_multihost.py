@@ -26,7 +26,8 @@ from reinforge.core import messages as m
 from reinforge.core import subjects
 from reinforge.core.bus import open_bus
 from reinforge.core.natscluster import NatsCluster
-from reinforge.core.natsd import _free_port, find_nats_server
+from reinforge.core.natsd import find_nats_server
+from reinforge.core.ports import free_ports
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -230,9 +231,10 @@ def test_a_server_without_the_route_password_cannot_join_the_cluster(loopback_cl
     c = loopback_cluster
     n1 = c.node("n1")
     conf = tmp_path / "rogue.conf"
+    client_port, route_port = free_ports(2)
     conf.write_text(
-        f'server_name: "rogue"\nhost: 127.0.0.1\nport: {_free_port()}\n'
-        f'cluster {{\n  name: "{c.cluster_name}"\n  host: 127.0.0.1\n  port: {_free_port()}\n'
+        f'server_name: "rogue"\nhost: 127.0.0.1\nport: {client_port}\n'
+        f'cluster {{\n  name: "{c.cluster_name}"\n  host: 127.0.0.1\n  port: {route_port}\n'
         f'  routes = ["nats-route://{c.route_user}:wrong-password@127.0.0.1:{n1.route_port}"]\n}}\n'
     )
     log = tmp_path / "rogue.log"
@@ -331,10 +333,11 @@ def test_routes_over_mutual_tls_form_the_cluster_and_refuse_a_plain_text_peer(tm
         # a peer with the right route password but no certificate is still refused
         n1 = c.node("n1")
         rogue_conf = tmp_path / "rogue.conf"
+        client_port, route_port = free_ports(2)
         rogue_conf.write_text(
-            f'server_name: "rogue"\nhost: 127.0.0.1\nport: {_free_port()}\n'
+            f'server_name: "rogue"\nhost: 127.0.0.1\nport: {client_port}\n'
             f'cluster {{\n  name: "{c.cluster_name}"\n  host: 127.0.0.1\n'
-            f"  port: {_free_port()}\n  routes = [\"nats-route://{c.route_user}:"
+            f"  port: {route_port}\n  routes = [\"nats-route://{c.route_user}:"
             f'{c.route_password}@127.0.0.1:{n1.route_port}"]\n}}\n'
         )
         log = tmp_path / "rogue.log"

@@ -7,6 +7,7 @@ script shows as text and runs nothing."""
 from __future__ import annotations
 
 import base64
+import time
 from pathlib import Path
 
 import httpx
@@ -49,6 +50,22 @@ class Browser:
     def click(self, css: str) -> None:
         self.command("POST", f"/element/{self.find(css)}/click", {})
 
+    def click_to_load(self, css: str, timeout_s: float = 30) -> None:
+        """Click a link or a form's button and wait until the page it opens has loaded:
+        chromedriver may answer the click while the old page is still shown (CI once read
+        the old page's text, once found no body at all)."""
+        self.script("window.rfPageBeforeClick = true")
+        self.click(css)
+        deadline = time.monotonic() + timeout_s
+        while not self.script("return document.readyState === 'complete'"
+                              " && !window.rfPageBeforeClick"):
+            assert time.monotonic() < deadline, f"clicking {css} loaded no page in {timeout_s} s"
+
+    def script(self, source: str):
+        r = self.http.post(f"/session/{self.session}/execute/sync",
+                           json={"script": source, "args": []})
+        return r.status_code == 200 and r.json()["value"]  # mid-navigation: not loaded yet
+
     def type(self, css: str, text: str) -> None:
         self.command("POST", f"/element/{self.find(css)}/value", {"text": text})
 
@@ -74,16 +91,16 @@ def test_a_reviewer_in_chromium_filters_opens_a_rollout_and_marks_its_reward(
 
         browser.go(f"{live_ui.url}/rollouts")  # the cookie from the first page carries on
         browser.type("input[name=outcome]", "pass")
-        browser.click("form button")
+        browser.click_to_load("form button")
         listing = browser.text()
         assert "2 of 3" in listing and "doc:0:1" not in listing
 
-        browser.click("a[href='/rollout?id=2%2B2%3A0%3A1']")
+        browser.click_to_load("a[href='/rollout?id=2%2B2%3A0%3A1']")
         assert "what is 2+2?" in browser.text()
         browser.click("select[name=kind] option[value=wrong_reward]")
         browser.type("input[name=corrected_reward]", "0")
         browser.type("input[name=note]", "2+2 is 4")
-        browser.click("form[action='/review'] button")
+        browser.click_to_load("form[action='/review'] button")
         assert "mark sent" in browser.text()
 
         browser.go(f"{live_ui.url}/rollout?id=doc:0:1")  # a completion of HTML and script
