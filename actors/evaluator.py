@@ -636,7 +636,7 @@ class Evaluator(Actor):
         cfg: EvaluatorConfig = self.config
         version = msg.version
         for d, s in scores.items():
-            stats = EvalStats(version=version, domain=d, pass_at_1=s.pass_at_1,
+            stats = EvalStats(version=version, epoch=msg.epoch, domain=d, pass_at_1=s.pass_at_1,
                               pass_at_k=s.pass_at_k, k=s.k, n_tasks=s.n_tasks,
                               figures={**s.figures(), "eval_s": took_s,
                                        **({"threshold": cfg.thresholds[d]}

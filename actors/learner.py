@@ -57,6 +57,7 @@ from reinforge.core.weights import delete_versions, put_version
 from reinforge.core.cluster import RUN_DEFAULTS
 from reinforge.core.actor import Actor, Input, Ticket, ack_all
 from reinforge.core.messages import (
+    TRAIN_FIGURE_FIELDS,
     Fate,
     GroupDecision,
     KeepVersions,
@@ -323,19 +324,14 @@ class GroupBuffer:
         }
 
 
-_TRAIN_STATS_TYPED = tuple(
-    f for f in TrainStats.__struct_fields__
-    if f not in ("sent_at", "version", "step", "loss", "figures")
-)
-
-
-def train_stats(version: int, step: int, figures: dict[str, float]) -> TrainStats:
+def train_stats(version: int, step: int, figures: dict[str, float],
+                epoch: int = 0) -> TrainStats:
     """The step's TrainStats: figures that have a field of their own (logprob mismatch, TIS)
     go there, the others stay in `figures`."""
-    typed = {k: figures[k] for k in _TRAIN_STATS_TYPED if k in figures}
+    typed = {k: figures[k] for k in TRAIN_FIGURE_FIELDS if k in figures}
     rest = {k: v for k, v in figures.items() if k not in typed}
     return TrainStats(version=version, step=step, loss=figures.get("loss", 0.0), figures=rest,
-                      **typed)
+                      epoch=epoch, **typed)
 
 
 @dataclass
@@ -344,6 +340,8 @@ class Commit:
 
     version: int
     step: int
+    epoch: int
+    """The rollbacks applied when the batch was trained (`WeightsPublished.epoch`)."""
     batch: list[Group]
     model: Any
     weights: dict[str, Any] | None
@@ -682,7 +680,8 @@ class Learner(Actor):
         else:
             model, weights = self.trainer.export_model(), None
             state = self.trainer.state_dict(**state_args)
-        return Commit(version=version, step=self.step, batch=batch, model=model,
+        return Commit(version=version, step=self.step, epoch=len(self.rollbacks_applied),
+                      batch=batch, model=model,
                       weights=weights, state=state, sealed=sealed, figures=figures)
 
     async def _committed(self) -> None:
@@ -724,7 +723,7 @@ class Learner(Actor):
                 figures = {**c.figures, "checkpoint_s": checkpoint_s,
                            **self.buffer.statistics()}
                 await self.ctx.publish(subjects.stats(self.ctx.run, "learner"),
-                                       train_stats(c.version, c.step, figures))
+                                       train_stats(c.version, c.step, figures, c.epoch))
         except BaseException:
             self._commit_failed = True
             raise

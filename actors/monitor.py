@@ -42,6 +42,7 @@ from reinforge.rl.scoring import mean_or_none
 from reinforge.core import paths, subjects
 from reinforge.core.actor import Actor, Input
 from reinforge.core.messages import (
+    TRAIN_FIGURE_FIELDS,
     EvalStats,
     GroupDecision,
     Heartbeat,
@@ -196,10 +197,10 @@ class MonitorState:
         self.outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
         self.tokens: collections.Counter[str] = collections.Counter()
         self.train: TrainStats | None = None
-        self._train_seen: set[tuple[int, int]] = set()
+        self._train_seen: set[tuple[int, int, int]] = set()
         self.eval_first: dict[str, EvalStats] = {}
         self.eval_last: dict[str, EvalStats] = {}
-        self._eval_seen: set[tuple[int, str]] = set()
+        self._eval_seen: set[tuple[int, int, str]] = set()
         self.heartbeats: dict[str, tuple[float, Heartbeat]] = {}
         self.queues: dict[str, float] = {}
         self.unknown_stats = 0
@@ -239,29 +240,32 @@ class MonitorState:
         return {"t": now, "kind": "weights", "version": msg.version, "step": msg.step}
 
     def on_stats(self, msg: Any, now: float) -> dict[str, Any] | None:
-        """TrainStats and EvalStats are recorded once each (they may come on two subjects)."""
+        """TrainStats and EvalStats are recorded once each (they may come on two subjects).
+        A version (and step) number comes back after a rollback: its epoch tells them apart,
+        and the newest epoch's is the latest."""
         if isinstance(msg, TrainStats):
-            key = (msg.version, msg.step)
+            key = (msg.epoch, msg.version, msg.step)
             if key in self._train_seen:
                 return None
             self._train_seen.add(key)
-            if self.train is None or (msg.step, msg.version) >= (self.train.step,
-                                                                  self.train.version):
+            if self.train is None or key >= (self.train.epoch, self.train.version,
+                                             self.train.step):
                 self.train = msg
-            return {"t": now, "kind": "train", "version": msg.version, "step": msg.step,
-                    "loss": msg.loss, "figures": train_figures(msg)}
+            return {"t": now, "kind": "train", "epoch": msg.epoch, "version": msg.version,
+                    "step": msg.step, "loss": msg.loss, "figures": train_figures(msg)}
         if isinstance(msg, EvalStats):
-            key = (msg.version, msg.domain)
+            key = (msg.epoch, msg.version, msg.domain)
             if key in self._eval_seen:
                 return None
             self._eval_seen.add(key)
             first = self.eval_first.get(msg.domain)
-            if first is None or msg.version < first.version:
+            if first is None or (msg.epoch, msg.version) < (first.epoch, first.version):
                 self.eval_first[msg.domain] = msg
             last = self.eval_last.get(msg.domain)
-            if last is None or msg.version >= last.version:
+            if last is None or (msg.epoch, msg.version) >= (last.epoch, last.version):
                 self.eval_last[msg.domain] = msg
-            return {"t": now, "kind": "eval", "version": msg.version, "domain": msg.domain,
+            return {"t": now, "kind": "eval", "epoch": msg.epoch, "version": msg.version,
+                    "domain": msg.domain,
                     "pass_at_1": msg.pass_at_1, "pass_at_k": msg.pass_at_k, "k": msg.k,
                     "n_tasks": msg.n_tasks, "figures": dict(msg.figures)}
         self.unknown_stats += 1
@@ -376,16 +380,10 @@ class MonitorState:
                    - (now - self._last_version_t), 0.0)
 
 
-_TRAIN_STATS_FIGURES = tuple(
-    f for f in TrainStats.__struct_fields__
-    if f not in ("sent_at", "version", "step", "loss", "figures")
-)
-
-
 def train_figures(msg: TrainStats) -> dict[str, float]:
     """A step's figures with its typed ones (logprob mismatch, TIS) that it reports, so the
     JSONL, TensorBoard, /metrics and the snapshot show them like any other."""
-    typed = {f: getattr(msg, f) for f in _TRAIN_STATS_FIGURES}
+    typed = {f: getattr(msg, f) for f in TRAIN_FIGURE_FIELDS}
     return {**msg.figures, **{f: float(v) for f, v in typed.items() if v is not None}}
 
 

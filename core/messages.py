@@ -221,6 +221,9 @@ class TrainStats(_Msg, frozen=True, tag="train-stats/1"):
     version: int
     step: int
     loss: float
+    epoch: int = 0
+    """The learner's epoch (see `WeightsPublished.epoch`): version and step restart after a
+    rollback, so (epoch, version, step) names a step once."""
     figures: dict[str, float] = {}
     # Over the step's policy tokens (loss mask 1): |learner logprob - behaviour logprob|.
     # None: not reported (a learner from before these fields).
@@ -236,6 +239,14 @@ class TrainStats(_Msg, frozen=True, tag="train-stats/1"):
     """Share of policy tokens whose TIS weight was truncated at the cap."""
 
 
+TRAIN_FIGURE_FIELDS = tuple(
+    f for f in TrainStats.__struct_fields__
+    if f not in ("sent_at", "version", "step", "loss", "figures", "epoch")
+)
+"""The figures of a step that have a TrainStats field of their own (the rest go in
+`figures`)."""
+
+
 class EvalStats(_Msg, frozen=True, tag="eval-stats/1"):
     version: int
     domain: str
@@ -244,6 +255,9 @@ class EvalStats(_Msg, frozen=True, tag="eval-stats/1"):
     k: int
     n_tasks: int
     figures: dict[str, float] = {}
+    epoch: int = 0
+    """The epoch of the evaluated weights (`WeightsPublished.epoch`): a version number
+    comes back after a rollback, so (epoch, version, domain) names an evaluation once."""
 
 
 class Review(str, enum.Enum):

@@ -729,8 +729,10 @@ def trained_groups(metrics: Path) -> dict[str, dict[int, int]]:
 def guard_summary(metrics: Path) -> dict[str, Any]:
     """What the forgetting guard (the evaluator in the run) did: versions it evaluated,
     its last pass@1 per domain, and the rollbacks (with their reasons)."""
+    from reinforge.metrics.report import in_run_order
+
     versions: set[int] = set()
-    last: dict[str, tuple[int, float]] = {}
+    last: dict[str, dict[str, Any]] = {}
     rollbacks, reasons = 0, []
     for rec in metrics_records(metrics, "eval", "rollback"):
         if rec["kind"] == "rollback":
@@ -738,11 +740,11 @@ def guard_summary(metrics: Path) -> dict[str, Any]:
             reasons.append(rec.get("reason", ""))
             continue
         versions.add(rec["version"])
-        if rec["version"] >= last.get(rec["domain"], (-1, 0.0))[0]:
-            last[rec["domain"]] = (rec["version"], rec["pass_at_1"])
+        if rec["domain"] not in last or in_run_order(rec) >= in_run_order(last[rec["domain"]]):
+            last[rec["domain"]] = rec
     return {"versions_evaluated": sorted(versions), "rollbacks": rollbacks,
             "rollback_reasons": reasons,
-            "last_pass_at_1": {d: round(p1, 4) for d, (_, p1) in sorted(last.items())}}
+            "last_pass_at_1": {d: round(r["pass_at_1"], 4) for d, r in sorted(last.items())}}
 
 
 def ensure_reward_model(home: Path, planted_exploit: bool) -> tuple[str, dict[str, Any]]:

@@ -125,6 +125,12 @@ MASTERED_AT = 0.9
 """A domain whose last held-out pass@1 reaches this is mastered (the frontier table)."""
 
 
+def in_run_order(r: Record) -> tuple[int, int, float]:
+    """The key that orders evaluation and learner records as the run made them: a version
+    (or step) number comes back after a rollback, in a newer epoch."""
+    return (int(r.get("epoch", 0)), int(r.get("version", r.get("step", 0))), float(r["t"]))
+
+
 def frontier(evals: list[Record]) -> dict[str, str]:
     """Where each evaluated domain stands: "out of reach" (pass@1 0 in every evaluation),
     "one answer" (the last evaluation's policy gave one final answer to most tasks:
@@ -137,7 +143,7 @@ def frontier(evals: list[Record]) -> dict[str, str]:
         by_domain[r["domain"]].append(r)
     out = {}
     for d, rows in by_domain.items():
-        rows.sort(key=lambda r: (r["version"], r["t"]))
+        rows.sort(key=in_run_order)
         if all(r["pass_at_1"] == 0 for r in rows):
             out[d] = "out of reach"
         elif rows[-1].get("figures", {}).get("answer_mode_share", 0.0) >= COLLAPSED_MODE_SHARE:
@@ -182,7 +188,7 @@ def summarise(records: list[Record]) -> tuple[dict[str, Any], dict[str, dict[str
     kinds = by_kind(records)
     scored = sorted(train_samples(kinds.get("scored", [])), key=lambda r: r["t"])
     evals = kinds.get("eval", [])
-    train = sorted(kinds.get("train", []), key=lambda r: (r["step"], r["t"]))
+    train = sorted(kinds.get("train", []), key=lambda r: (r.get("epoch", 0), r["step"], r["t"]))
     weights = kinds.get("weights", [])
     snaps = kinds.get("snapshot", [])
     missing: list[str] = []
@@ -238,7 +244,7 @@ def summarise(records: list[Record]) -> tuple[dict[str, Any], dict[str, dict[str
         r0, r1 = early_late(rewards)
         p0, p1 = early_late(passes)
         t0, t1 = early_late([float(r["tier"]) for r in rows])
-        dev = sorted((r for r in evals if r["domain"] == d), key=lambda r: (r["version"], r["t"]))
+        dev = sorted((r for r in evals if r["domain"] == d), key=in_run_order)
         info: dict[str, Any] = {
             "samples": len(rows), "infra_errors": len(rows) - len(sig),
             "reward_first": r0, "reward_last": r1, "pass_rate_first": p0, "pass_rate_last": p1,
@@ -387,19 +393,20 @@ def plot_eval_heatmap(evals: list[Record], path: Path) -> bool:
     if not evals:
         return False
     names = sorted({r["domain"] for r in evals})
-    versions = sorted({r["version"] for r in evals})
+    versions = sorted({(r.get("epoch", 0), r["version"]) for r in evals})
     grid = np.full((len(names), len(versions)), np.nan)
     for r in sorted(evals, key=lambda r: r["t"]):  # the newest evaluation of a cell wins
-        grid[names.index(r["domain"]), versions.index(r["version"])] = r["pass_at_1"]
+        grid[names.index(r["domain"]),
+             versions.index((r.get("epoch", 0), r["version"]))] = r["pass_at_1"]
     fig, (ax,) = _figure(1, height=min(40.0, 1.2 + 0.22 * len(names)),
                          width=min(24.0, 4.0 + 0.25 * len(versions)))
     image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", vmin=0.0, vmax=1.0,
                       cmap="viridis", interpolation="nearest")
     ax.set_yticks(range(len(names)), names, fontsize=6 if len(names) > 30 else 8)
     step = max(1, len(versions) // 20)
-    ax.set_xticks(range(0, len(versions), step), [f"v{v}" for v in versions[::step]],
-                  fontsize=7)
-    ax.set_xlabel("policy version evaluated")
+    ax.set_xticks(range(0, len(versions), step),
+                  [f"v{v}" + (f"/e{e}" if e else "") for e, v in versions[::step]], fontsize=7)
+    ax.set_xlabel("policy version evaluated (/eN: after the Nth rollback)")
     ax.set_title("held-out pass@1 per domain over versions")
     fig.colorbar(image, ax=ax, fraction=0.03, pad=0.02)
     fig.savefig(path)

@@ -88,14 +88,33 @@ def test_stats_seen_on_two_subjects_are_recorded_once_and_evals_keep_first_and_l
     st.on_stats(ev(version=0, pass_at_1=0.2), 1.2)
     st.on_stats(ev(version=4, pass_at_1=0.7), 1.3)
     train = m.TrainStats(version=3, step=7, loss=0.25, figures={"kl": 0.01})
-    assert st.on_stats(train, 2.0) == {"t": 2.0, "kind": "train", "version": 3, "step": 7,
-                                       "loss": 0.25, "figures": {"kl": 0.01}}
+    assert st.on_stats(train, 2.0) == {"t": 2.0, "kind": "train", "epoch": 0, "version": 3,
+                                       "step": 7, "loss": 0.25, "figures": {"kl": 0.01}}
     assert st.on_stats(train, 2.1) is None
     assert st.on_stats(m.Echo(seq=1), 2.2) is None and st.unknown_stats == 1
     d = st.snapshot(3.0).domains[0]
     assert (d.eval_first_version, d.eval_first_pass_at_1) == (0, 0.2)
     assert (d.eval_version, d.eval_pass_at_1, d.eval_pass_at_k) == (4, 0.7, 0.9)
     assert st.snapshot(3.0).train_figures == {"kl": 0.01}
+
+
+def test_a_version_number_evaluated_again_after_a_rollback_is_recorded_and_is_the_latest():
+    """After a rollback to v2 the learner's numbers restart: v4 and step 7 come back in
+    epoch 1. They are other weights, so their stats are new records, and the latest."""
+    st = MonitorState("r")
+    ev = functools.partial(m.EvalStats, domain="math", version=4, pass_at_k=0.9, k=4,
+                           n_tasks=8)
+    train = functools.partial(m.TrainStats, version=4, step=7, loss=0.25)
+    st.on_stats(ev(pass_at_1=0.7), 1.0)
+    st.on_stats(train(figures={"kl": 0.01}), 1.1)
+    again = st.on_stats(ev(pass_at_1=0.3, epoch=1), 2.0)
+    assert (again["epoch"], again["version"], again["pass_at_1"]) == (1, 4, 0.3)
+    assert st.on_stats(train(figures={"kl": 0.02}, epoch=1), 2.1)["epoch"] == 1
+    assert st.on_stats(ev(pass_at_1=0.3, epoch=1), 2.2) is None  # its second subject
+    snap = st.snapshot(3.0)
+    assert (snap.domains[0].eval_version, snap.domains[0].eval_pass_at_1) == (4, 0.3)
+    assert (snap.domains[0].eval_first_version, snap.domains[0].eval_first_pass_at_1) == (4, 0.7)
+    assert snap.train_figures == {"kl": 0.02}
 
 
 def test_a_rollback_sets_the_version_back_and_is_counted():

@@ -278,3 +278,22 @@ def test_a_domain_with_a_gold_check_gets_proxy_against_gold_by_version(tmp_path)
     assert "proxy_gold.png" in report.plots
     page = Path(report.page).read_text()
     assert "| rm-synthetic | v1 → v9 | 0.55 → 0.9 | 0.6 → 0.2 |" in page
+
+
+def test_evaluations_after_a_rollback_come_last_though_their_version_numbers_are_lower(
+        tmp_path):
+    """v4 (epoch 0) is rolled back to v2; the learner goes on from v3 in epoch 1. The last
+    evaluation is epoch 1's v3, not v4, the highest number."""
+    path = tmp_path / "metrics.jsonl"
+    st = MonitorState("rb", window_s=60.0, started_at=1_800_000_000.0)
+    w = mx.JsonlWriter(path)
+    for i, (epoch, version, p) in enumerate(((0, 2, 0.5), (0, 4, 0.1), (1, 3, 0.6))):
+        w.write(st.on_stats(m.EvalStats(version=version, epoch=epoch, domain="math",
+                                        pass_at_1=p, pass_at_k=p, k=2, n_tasks=8),
+                            1_800_000_000.0 + 60 * i))
+    w.close()
+    report = build_report(path, tmp_path / "report")
+    math_ = report.domains["math"]
+    assert (math_["eval_first_version"], math_["eval_pass_at_1_first"]) == (2, 0.5)
+    assert (math_["eval_last_version"], math_["eval_pass_at_1_last"]) == (3, 0.6)
+    assert "eval_heatmap.png" in report.plots
