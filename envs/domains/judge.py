@@ -174,6 +174,43 @@ class SGLangJudgeClient:
         return text
 
 
+    async def answer_logprobs(self, prompt: str, answers: tuple[str, ...]) -> dict[str, float]:
+        """log P(answer | prompt) under the judge model, for each answer (its tokens' summed
+        input logprobs: one scoring request each, `logprob_start_len` at the answer). Needs
+        the judge's tokenizer on this host, to know where the prompt ends in tokens."""
+        import httpx
+
+        out = {}
+        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+            tok = await self._tokenizer(client)
+            if tok is None:
+                raise JudgeUnavailable(
+                    f"judge at {self.url}: its tokenizer is not on this host, so its answer "
+                    "probabilities cannot be asked for")
+            if self.chat_template:
+                from reinforge.rl.prompts import task_prompt_ids
+
+                ids = task_prompt_ids(tok, prompt)
+            else:
+                ids = tok.encode(prompt, add_special_tokens=False)
+            for answer in answers:
+                tail = tok.encode(answer, add_special_tokens=False)
+                body = {"input_ids": ids + tail, "return_logprob": True,
+                        "logprob_start_len": len(ids),
+                        "sampling_params": {"temperature": 1.0, "max_new_tokens": 0}}
+                try:
+                    resp = await client.post(f"{self.url}/generate", json=body)
+                    entries = resp.json()["meta_info"]["input_token_logprobs"]
+                    out[answer] = sum(float(e[0]) for e in entries[-len(tail):])
+                except httpx.HTTPError as exc:
+                    raise JudgeUnavailable(f"judge at {self.url} unreachable: {exc!r}") from None
+                except (ValueError, KeyError, TypeError, IndexError):
+                    raise JudgeUnavailable(
+                        f"judge at {self.url} answered HTTP {resp.status_code} without input "
+                        "logprobs for the answer") from None
+        return out
+
+
 class ItemResult(msgspec.Struct, frozen=True):
     passed: bool
     detail: str

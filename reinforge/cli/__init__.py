@@ -17,7 +17,7 @@ import sys
 # optional dependencies are missing is left out instead of breaking the others.
 COMMAND_MODULES = tuple(f"reinforge.cli.{name}" for name in (
     "up", "status", "log", "actor", "envs", "sandbox", "kernels", "model", "serve", "sft",
-    "rm", "eval", "report", "demo", "ui",
+    "rm", "judge", "eval", "report", "demo", "ui",
 ))
 
 
