@@ -57,8 +57,9 @@ class VerifierConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """SGLang-compatible judge server for the judge domain; "" = env REINFORGE_JUDGE_URL,
     else the rule judge."""
     reward_model: str | list[str] = ""
-    """A reward model directory (`reinforge rm train`), or several (an ensemble): attaches
-    the rm-synthetic domain (`envs/domains/reward_model.py`) scored by it."""
+    """A reward model directory (`reinforge rm train`) or the URL of a server of one
+    (`reinforge serve --is-embedding`, SGLang's `/classify`), or several (an ensemble):
+    attaches the rm-synthetic domain (`envs/domains/reward_model.py`) scored by it."""
     reward_model_spread_penalty: float = 1.0
     """An ensemble's reward is sigmoid(mean - this x std) of its models' scores."""
     infra_attempts: int = 3

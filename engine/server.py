@@ -563,8 +563,6 @@ def serve(
     """Load the model (its projections in `weight_dtype`), start the engine thread, serve
     HTTP until interrupted."""
     import torch
-    from hypercorn.asyncio import serve as hypercorn_serve
-    from hypercorn.config import Config
     from reinforge.engine.loader import load_model
     from reinforge.engine.tokenizer import load_tokenizer
 
@@ -575,6 +573,22 @@ def serve(
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     engine = Engine(model, engine_config, eos_token_ids=tuple(sorted(eos)))
+    state = ServerState(engine, tokenizer, str(model_dir), served_model_name)
+    serve_http(
+        build_app(state), host=host, port=port, port_file=port_file,
+        banner=f"reinforge serve: listening on http://{host}:{{port}} (kv {engine.pool.kind} "
+               f"via {engine.pool.ops.name}, weights {model.weights.weight_format})",
+        start=state.start, close=state.close)
+
+
+def serve_http(app: Any, *, host: str, port: int, port_file: str | None, banner: str,
+               start: Any = lambda: None, close: Any = lambda: None) -> None:
+    """Serve `app` on hypercorn until interrupted: bind first (port 0: any free one), print
+    `banner` (its `{port}` filled in), write the port to `port_file`, call `start` before
+    serving and `close` after."""
+    from hypercorn.asyncio import serve as hypercorn_serve
+    from hypercorn.config import Config
+
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
@@ -583,26 +597,20 @@ def serve(
     bound = sock.getsockname()[1]
 
     async def main() -> None:
-        state = ServerState(engine, tokenizer, str(model_dir), served_model_name)
-        state.start()
+        start()
         config = Config()
         config.bind = [f"fd://{sock.fileno()}"]
         config.accesslog = None
         config.errorlog = "-"
         config.graceful_timeout = 1.0
         config.keep_alive_timeout = SERVER_KEEP_ALIVE_S
-        print(
-            f"reinforge serve: listening on http://{host}:{bound} "
-            f"(kv {engine.pool.kind} via {engine.pool.ops.name}, weights "
-            f"{model.weights.weight_format})",
-            flush=True,
-        )
+        print(banner.format(port=bound), flush=True)
         if port_file:  # whoever waits for it reads the whole number or nothing
             write_atomic(port_file, str(bound).encode())
         try:
-            await hypercorn_serve(build_app(state), config)
+            await hypercorn_serve(app, config)
         finally:
-            state.close()
+            close()
 
     try:
         asyncio.run(main())

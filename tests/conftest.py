@@ -223,6 +223,12 @@ def server_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture
+def serve_model(tmp_path: Path):
+    """`with serve_model(model_dir, *flags) as url:` a real `reinforge serve` of any model."""
+    return lambda model_dir, *flags: _serving(model_dir, tmp_path, list(flags))
+
+
+@pytest.fixture
 def serve_tiny(tiny_model_dir: Path, tmp_path: Path):
     """`with serve_tiny(*flags) as url:` another real server of the tiny policy, own flags."""
     return lambda *flags: _serving(tiny_model_dir, tmp_path,

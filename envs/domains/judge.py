@@ -128,18 +128,10 @@ class SGLangJudgeClient:
     async def _tokenizer(self, client: Any) -> Any:
         """The judge's tokenizer, looked up once (None: send text)."""
         if not self._looked_up:
+            from reinforge.rollout.client import served_tokenizer
+
             self._looked_up = True
-            try:
-                info = (await client.get(f"{self.url}/get_model_info")).json()
-                path = Path(str(info.get("tokenizer_path") or ""))
-            except Exception:  # an older or foreign server: raw text it is
-                return None
-            if path.is_dir() and (path / "tokenizer_config.json").exists():
-                import trio
-
-                from reinforge.engine.tokenizer import load_tokenizer
-
-                self.tokenizer = await trio.to_thread.run_sync(load_tokenizer, path)
+            self.tokenizer = await served_tokenizer(client, self.url)
         return self.tokenizer
 
     async def generate(self, prompt: str, *, max_new_tokens: int) -> str:

@@ -67,7 +67,23 @@ def register(subparsers: Any) -> None:
         "requests that share its prefix",
     )
     serve.add_argument("--served-model-name", default=None)
+    serve.add_argument(
+        "--is-embedding", action="store_true",
+        help="serve a reward model (`reinforge rm train`'s, or any Hugging Face "
+        "...ForSequenceClassification with one label) on SGLang's POST /classify, as "
+        "`sglang.launch_server --is-embedding` does")
+    serve.add_argument("--max-batch", type=int, default=32,
+                       help="with --is-embedding: sequences per forward pass at most (32)")
     serve.set_defaults(func=cmd_serve)
+
+
+def is_reward_model(model_dir: str) -> bool:
+    """Whether a Hugging Face folder holds a sequence classifier (a reward model)."""
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -82,6 +98,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(
             f"--model {args.model}: no config.json there (run `reinforge model init --out DIR`)"
         )
+    if is_reward_model(args.model) != args.is_embedding:
+        raise UserError(
+            f"--model {args.model} is a reward model: serve it with --is-embedding"
+            if args.is_embedding is False else
+            f"--is-embedding: {args.model} is not a reward model (no ...ForSequenceClassification "
+            "in its config.json's architectures)")
+    if args.is_embedding:
+        from reinforge.engine.reward_server import serve_reward_model
+
+        if args.max_batch < 1:
+            raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")
+        serve_reward_model(args.model, host=args.host, port=args.port,
+                           port_file=args.port_file, max_batch=args.max_batch)
+        return 0
     try:
         config = EngineConfig(
             kv_cache_dtype="int8" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,

@@ -35,7 +35,7 @@ import msgspec
 from reinforge.rl import checkpoint as ckpt
 from reinforge.rl.prompts import task_prompt_ids
 
-RM_FORMAT = "reinforge-rm/1"
+RM_FORMAT = "reinforge-rm/2"  # /2: the held-out score statistics in the summary
 MIN_WORDS, MAX_WORDS = 8, 14
 COLOURS = ("red", "blue", "green", "yellow", "purple", "orange", "black", "white")
 THINGS = ("kite", "boat", "garden", "house", "bicycle", "lamp", "scarf", "door")
@@ -232,17 +232,21 @@ def train_reward_model(cfg: RMConfig,
     with torch.no_grad():
         held_x = [encoded(r) for r in held]
         if pairwise:
-            right = 0
+            right, seen = 0, []
             for start in range(0, len(held_x), 32):
                 part = held_x[start: start + 32]
                 r = scores(model, [x[0] for x in part] + [x[1] for x in part], pad)
                 right += int((r[: len(part)] > r[len(part):]).sum())
+                seen.append(r)
+            r = torch.cat(seen)
             quality = {"held_out_pairwise_accuracy": right / len(held_x)}
         else:
             r = torch.cat([scores(model, [x[0] for x in held_x[s: s + 32]], pad)
                            for s in range(0, len(held_x), 32)])
             target = torch.tensor([row.score for row in held], dtype=r.dtype)
             quality = {"held_out_mae": float((r - target).abs().mean())}
+        # what a domain standardises this model's scores by (envs/domains/reward_model.py)
+        quality |= {"score_mean": float(r.mean()), "score_std": float(r.std(correction=0))}
     summary = {"kind": "pairs" if pairwise else "graded", "train_rows": len(train),
                "held_out_rows": len(held), "steps": cfg.steps, "loss_first": losses[0],
                "loss_last10_mean": sum(losses[-10:]) / len(losses[-10:]),

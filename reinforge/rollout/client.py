@@ -67,6 +67,25 @@ def parse_weight_version(value: str, *, default_version: int = 0) -> int:
         ) from None
 
 
+async def served_tokenizer(http: httpx.AsyncClient, url: str) -> Any | None:
+    """The tokenizer of the model a server serves (`/get_model_info`'s `tokenizer_path`),
+    when that folder is on this host; None otherwise (a remote or foreign server)."""
+    from pathlib import Path
+
+    try:
+        info = (await http.get(f"{url.rstrip('/')}/get_model_info")).json()
+        path = Path(str(info.get("tokenizer_path") or ""))
+    except Exception:  # an older or foreign server
+        return None
+    if not (path.is_dir() and (path / "tokenizer_config.json").exists()):
+        return None
+    import trio
+
+    from reinforge.engine.tokenizer import load_tokenizer
+
+    return await trio.to_thread.run_sync(load_tokenizer, path)
+
+
 def parse_sample(item: dict[str, Any], *, where: str = "response") -> Sample:
     """One /generate result item -> Sample; raise RolloutServerUnavailable if malformed."""
     try:

@@ -6,10 +6,15 @@ import json
 import random
 
 import pytest
+import torch
+from reinforge.envs.domains.reward_model import held_out_stats
 from reinforge.rl.reward_model import (
     RMConfig,
+    encode,
     follows_rule,
     load_rows,
+    load_scorer,
+    scores,
     synthetic_pairs,
     train_reward_model,
 )
@@ -63,6 +68,18 @@ def test_a_short_bradley_terry_run_learns_the_hidden_rule_and_is_cached(tiny_mod
     again = train_reward_model(cfg)
     assert again["cached"] and again["held_out_pairwise_accuracy"] == \
         first["held_out_pairwise_accuracy"]
+    # the held-out responses' score mean and std, which the rm domain standardises by
+    order = list(range(400))
+    random.Random(cfg.seed).shuffle(order)
+    pairs = synthetic_pairs(cfg.seed, 400)
+    held = [pairs[i] for i in order[:100]]
+    tok, model, pad = load_scorer(cfg.out)
+    with torch.no_grad():
+        got = scores(model.eval(), [encode(tok, p.prompt, r)[:cfg.max_len]
+                                    for p in held for r in (p.chosen, p.rejected)], pad)
+    assert first["score_mean"] == pytest.approx(float(got.mean()), abs=1e-4)
+    assert first["score_std"] == pytest.approx(float(got.std(correction=0)), abs=1e-4)
+    assert held_out_stats(cfg.out) == (first["score_mean"], first["score_std"])
 
 
 @pytest.mark.slow
