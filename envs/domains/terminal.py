@@ -302,6 +302,8 @@ class TerminalEpisode:
             return "", True
         self.commands.append(cmd)
         self.done = len(self.commands) >= self.spec.max_turns
+        if self.uses_session:
+            await self._open_session()  # its start-up is ours: not counted as the episode's
         t0 = time.monotonic()
         obs = await self._run(cmd)
         return self._within_limits(obs, time.monotonic() - t0), self.done
@@ -359,17 +361,28 @@ class TerminalEpisode:
         """The session's answer, or None once it has ended (`self._ended` says why)."""
         from reinforge.envs.sandbox.session import SessionEnded
 
+        await self._open_session()
         if self._ended is not None:
             return None
         try:
-            if self._session is None:
-                self._session = await self._held.enter_async_context(
-                    self.domain.runner.session(SESSION_ARGV, self.domain.session_config(self.spec)))
             return await self._session.request(body, timeout_s)
         except (SessionEnded, RunnerInfraError) as exc:
             self._ended = exc
             await self.aclose()
             return None
+
+    async def _open_session(self) -> None:
+        """Start the episode's session if it has none yet (`self._ended` says why not)."""
+        from reinforge.envs.sandbox.session import SessionEnded
+
+        if self._session is not None or self._ended is not None:
+            return
+        try:
+            self._session = await self._held.enter_async_context(
+                self.domain.runner.session(SESSION_ARGV, self.domain.session_config(self.spec)))
+        except (SessionEnded, RunnerInfraError) as exc:
+            self._ended = exc
+            await self.aclose()
 
     async def aclose(self) -> None:
         self.done = True

@@ -2,6 +2,7 @@
 hidden checks can't be edited, printed past or outlived — local runner and, marked
 `podman`, the real sandbox."""
 
+import contextlib
 import json
 import random
 
@@ -232,6 +233,39 @@ def test_a_sandbox_lost_mid_episode_is_an_infrastructure_error_not_a_zero(sandbo
     obs, verdict, stats = _episode(sandbox_runner_only, COUNT_ROW, steps, during=kill_container)
     assert obs[1][1] and "died" in obs[1][0]
     assert verdict.outcome == "infra_error", verdict
+
+
+class SlowToStart:
+    """The real sandbox runner, its sessions slow to start (a loaded machine): wraps it
+    to test the episode's time accounting above it."""
+
+    def __init__(self, runner, delay_s: float) -> None:
+        self.runner, self.delay_s = runner, delay_s
+        self.name, self.run, self.check = runner.name, runner.run, runner.check
+
+    @contextlib.asynccontextmanager
+    async def session(self, argv, config):
+        await trio.sleep(self.delay_s)
+        async with self.runner.session(argv, config) as session:
+            yield session
+
+
+@pytest.mark.podman
+def test_a_sessions_start_up_is_not_counted_against_the_episodes_time(sandbox_runner_only):
+    """CI once ended an episode at its first step (`sleep 1` under a 1.5 s limit): the
+    session's start-up on a loaded machine was counted as the episode's time."""
+    from reinforge.envs.domains.terminal import TerminalConfig
+
+    @contextlib.asynccontextmanager
+    async def slow_runner():
+        async with sandbox_runner_only() as runner:
+            yield SlowToStart(runner, delay_s=2.0)
+
+    obs, verdict, _ = _episode(slow_runner, COUNT_ROW, ["$ echo 1 > log.txt", "$ sleep 2",
+                                                        "$ echo never"],
+                               config=TerminalConfig(episode_time_s=1.5))
+    assert [done for _, done in obs] == [False, True]
+    assert obs[1][0].endswith("\n[episode time limit of 1.5 s reached]")
 
 
 @pytest.mark.parametrize("limit, steps, crossed", [
