@@ -115,11 +115,13 @@ def test_the_domain_rewards_through_the_server_as_through_the_folder(rm_dir, ser
                     [await served.verify(task, a) for a in answers])
 
         by_folder, by_server = trio.run(both)
+        again = trio.run(served.verify, task, answers[0])  # a new trio run: a new client
     for f, s, r in zip(by_folder, by_server, raw, strict=True):
         z = (r - 0.25) / 2.0
         assert f.reward == pytest.approx(1 / (1 + math.exp(-z)), abs=1e-6)
         assert s.reward == pytest.approx(f.reward, abs=1e-5)
         assert s.outcome == f.outcome and s.checks[1] == f.checks[1]  # the gold check
+    assert again.reward == pytest.approx(by_server[0].reward, abs=1e-6)
 
 
 def test_a_dead_reward_model_server_is_infra_error_not_zero():
