@@ -137,12 +137,14 @@ class SGLangJudgeClient:
     async def generate(self, prompt: str, *, max_new_tokens: int) -> str:
         import httpx
 
+        from reinforge.rollout.client import http_client
+
         body: dict[str, Any] = {
             "text": prompt,
             "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens},
         }
         try:
-            async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+            async with http_client(self.timeout_s) as client:
                 tok = await self._tokenizer(client) if self.chat_template else None
                 if tok is not None:
                     from reinforge.rl.prompts import task_prompt_ids
@@ -172,8 +174,10 @@ class SGLangJudgeClient:
         the judge's tokenizer on this host, to know where the prompt ends in tokens."""
         import httpx
 
+        from reinforge.rollout.client import http_client
+
         out = {}
-        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+        async with http_client(self.timeout_s) as client:
             tok = await self._tokenizer(client)
             if tok is None:
                 raise JudgeUnavailable(

@@ -199,34 +199,22 @@ class RewardModelClient:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self.tokenizer: Any = None
-        self._http: tuple[Any, Any] | None = None  # (trio run's token, its pooled client)
-
-    def _pooled(self) -> Any:
-        """One HTTP client per trio run (the verifier's), its connections reused: a client
-        per request cost more than the model's forward pass (bench/reward_model.py)."""
-        import httpx
-        import trio
-
-        token = trio.lowlevel.current_trio_token()
-        if self._http is None or self._http[0] is not token:
-            self._http = (token, httpx.AsyncClient(timeout=self.timeout_s))
-        return self._http[1]
 
     async def score(self, prompt: str, completion: str) -> float:
         import httpx
 
         from reinforge.rl.reward_model import encode
-        from reinforge.rollout.client import served_tokenizer
+        from reinforge.rollout.client import http_client, served_tokenizer
 
-        http = self._pooled()
         try:
-            if self.tokenizer is None:
-                self.tokenizer = await served_tokenizer(http, self.url)
+            async with http_client(self.timeout_s) as http:
                 if self.tokenizer is None:
-                    raise RewardModelUnavailable(
-                        f"{self.url} names no tokenizer on this host (/get_model_info)")
-            ids = encode(self.tokenizer, prompt, completion)
-            resp = await http.post(f"{self.url}/classify", json={"input_ids": ids})
+                    self.tokenizer = await served_tokenizer(http, self.url)
+                    if self.tokenizer is None:
+                        raise RewardModelUnavailable(
+                            f"{self.url} names no tokenizer on this host (/get_model_info)")
+                ids = encode(self.tokenizer, prompt, completion)
+                resp = await http.post(f"{self.url}/classify", json={"input_ids": ids})
         except httpx.HTTPError as exc:
             raise RewardModelUnavailable(f"{self.url} unreachable: {exc!r}") from None
         if resp.status_code != 200:
