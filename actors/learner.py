@@ -172,6 +172,12 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     size, held during the write); its weights are announced, and its rollouts acked, once it
     committed. Off: each step waits for its own checkpoint."""
     torch_threads: int = 2
+    """Per replica."""
+    replicas: int = 1
+    """Data-parallel replicas of the policy (`reinforge.rl.replicas`): this learner and
+    replicas - 1 worker processes, each training on its share of every optimizer step's
+    samples and summing gradients over torch.distributed (gloo): the update of one replica
+    on the whole batch. Checkpoints and publishing stay this learner's."""
     ack_wait_s: float = 120.0
     """JetStream ack wait for held deliveries; a keep-alive renews it every third of it."""
     max_deliver: int = 50
@@ -185,7 +191,8 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     def __post_init__(self) -> None:
         for name in ("groups_per_version", "micro_batch_size", "keep_last", "torch_threads",
-                     "max_deliver", "max_pending_samples", "ppo_epochs", "minibatches"):
+                     "max_deliver", "max_pending_samples", "ppo_epochs", "minibatches",
+                     "replicas"):
             if getattr(self, name) < 1:
                 raise ValueError(f"learner config: {name} must be >= 1, got {getattr(self, name)}")
         for name in ("group_size", "max_staleness", "kl_coef", "weight_decay", "max_grad_norm",
@@ -202,6 +209,9 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"learner config: device must be cpu, cuda or cuda:N, got "
                              f"{self.device!r}")
+        if self.replicas > 1 and self.device != "cpu":
+            raise ValueError("learner config: replicas > 1 needs device = \"cpu\" (the "
+                             "replicas sum gradients over gloo; NCCL on GPUs is not built)")
         if not (self.tis_cap == 0 or self.tis_cap >= 1):
             raise ValueError(f"learner config: tis_cap must be 0 (off) or >= 1, got {self.tis_cap}"
                              " (a cap below 1 would down-weight on-policy tokens)")
@@ -501,9 +511,15 @@ class Learner(Actor):
             self.buffer.ledger.update(rollout_ids)
             self.buffer.tasks[task_id] = outcome
         self.tokenizer_src = source
-        self.trainer = await trio.to_thread.run_sync(
-            lambda: Trainer(cfg, source, state, reference_dir=cfg.reference_model or cfg.model)
-        )
+        reference = cfg.reference_model or cfg.model
+        if cfg.replicas == 1:
+            make = functools.partial(Trainer, cfg, source, state, reference_dir=reference)
+        else:
+            from reinforge.rl.replicas import ReplicaGroup
+
+            make = functools.partial(ReplicaGroup, cfg, source, state, reference_dir=reference,
+                                     replicas=cfg.replicas)
+        self.trainer = await trio.to_thread.run_sync(make)
         if latest is not None:  # a crash may have cut off the announcement: say it again
             await self._publish_weights(self.version, source, self.step)
 
@@ -550,6 +566,15 @@ class Learner(Actor):
         self._ready.set()
 
     async def main(self) -> None:
+        try:
+            await self._learn()
+        finally:  # stopped, cancelled or failed: the replicas (a ReplicaGroup) stop with it
+            close = getattr(self.trainer, "close", None)
+            if close is not None:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(close)
+
+    async def _learn(self) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._keep_alive)
             while True:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from reinforge.rl.replicas import Replica
 from reinforge.rl.grpo import (
     abs_logprob_gaps,
     clipped_policy_terms,
@@ -136,7 +137,12 @@ class Trainer:
         state: dict[str, Any] | None = None,
         *,
         reference_dir: str | Path | None = None,
+        replica: Replica | None = None,
     ) -> None:
+        """`replica`: this process's place among data-parallel replicas
+        (`reinforge.rl.replicas`, torch.distributed initialised): each optimizer step trains
+        on its share of the samples and the replicas sum their gradients."""
+        self.replica = replica
         torch.set_num_threads(cfg.torch_threads)
         torch.manual_seed(cfg.seed)
         keep_freed_memory()
@@ -342,7 +348,8 @@ class Trainer:
         on_policy_dev = 0.0
         index = {id(s): i for i, s in enumerate(samples)}
         self.optimizer.zero_grad(set_to_none=True)
-        for mb in self._batches(samples):
+        mine = samples if self.replica is None else self.replica.share(samples)
+        for mb in self._batches(mine) if mine else []:
             with self._forward():
                 logp, in_seq = self._sequence_logprobs(self.model, mb)
             width, dev = logp.shape[1], logp.device
@@ -383,6 +390,11 @@ class Trainer:
                 on_policy_dev = max(on_policy_dev, float(on_policy))
                 if gaps is not None:
                     gaps.append(abs_logprob_gaps(logp, old, mask).cpu())
+        if self.replica is not None:  # every figure over the whole step, as one replica's
+            sums = self.replica.sum_figures(sums)
+            on_policy_dev = self.replica.max_figure(on_policy_dev)
+            if gaps is not None:
+                gaps[:] = self.replica.gather(gaps)
         grad_norm = self._step(cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
         step = {
             "loss": sums["loss"],
@@ -407,6 +419,8 @@ class Trainer:
         if self.master is not None:
             for m, p in zip(self.master, params, strict=True):
                 m.grad = None if p.grad is None else p.grad.float()
+        if self.replica is not None:  # the whole batch's gradient, on every replica
+            self.replica.sum_gradients(self.master or params)
         norm = torch.nn.utils.clip_grad_norm_(self.master or params, max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -549,7 +549,10 @@ def test_lora_trains_only_adapters_and_publishes_merged_weights_the_engine_serve
 
 
 @pytest.mark.parametrize("bad, why", [({"precision": "fp16"}, "precision must be one of"),
-                                      ({"device": "tpu"}, "device must be cpu, cuda or cuda:N")])
+                                      ({"device": "tpu"}, "device must be cpu, cuda or cuda:N"),
+                                      ({"replicas": 0}, "replicas must be >= 1"),
+                                      ({"replicas": 2, "device": "cuda"},
+                                       "replicas > 1 needs device")])
 def test_an_unknown_precision_or_device_is_refused(bad, why):
     with pytest.raises(ValueError, match=why):
         LearnerConfig(**bad)
@@ -663,12 +666,13 @@ async def collect_stats(bus, run, out, task_status=trio.TASK_STATUS_IGNORED):
 
 @pytest.mark.nats
 @pytest.mark.slow
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "in-turn"])
+@pytest.mark.parametrize("overlap, replicas", [(True, 1), (False, 1), (True, 2)],
+                         ids=["overlapped", "in-turn", "two-replicas"])
 def test_the_learner_publishes_three_versions_from_rollouts_tagged_with_their_version(
-    creds, run_name, tiny_model_dir, tmp_path, overlap
+    creds, run_name, tiny_model_dir, tmp_path, overlap, replicas
 ):
     cfg = make_config(tiny_model_dir, tmp_path, max_staleness=0, keep_last=2,
-                      overlap_checkpoints=overlap)
+                      overlap_checkpoints=overlap, replicas=replicas)
     generated: dict[str, int] = {}
     stats: list = []
     weights: list = []
@@ -782,18 +786,35 @@ def test_the_kl_term_to_the_reference_starts_at_zero_and_enters_the_loss(tiny_mo
     assert second["loss"] == pytest.approx(second["policy_loss"] + 0.5 * second["kl_ref"])
 
 
+def learner_process(run_name, creds_file, model_dir, checkpoint_dir, *settings):
+    """`reinforge actor run` arguments of a learner training a version per group."""
+    extra = [arg for setting in settings for arg in ("--set", setting)]
+    return ("actor", "run", "reinforge.actors.learner:Learner", "--run", run_name, "--creds",
+            str(creds_file), "--set", f"model={model_dir}", "--set",
+            f"checkpoint_dir={checkpoint_dir}", "--set", "groups_per_version=1", "--set",
+            "group_size=0", "--set", "ack_wait_s=3", "--set", "torch_threads=1", *extra)
+
+
+def assert_each_rollout_trained_once(weights, *groups):
+    """The checkpoint of `weights` took a step per group, each rollout in its version's."""
+    state = ckpt.load_trainer_state(weights.path)
+    assert state["step"] == len(groups)
+    assert state["ledger"] == {s.rollout.rollout_id: s.rollout.policy_version
+                               for group in groups for s in group}
+
+
+def two_versions_of_groups():
+    return (synthetic_group("a", [1.0, 0.0, 0.0, 1.0], version=0),
+            synthetic_group("b", [0.0, 1.0, 1.0, 1.0], version=1))
+
+
 @pytest.mark.nats
 @pytest.mark.slow
 def test_a_learner_killed_with_a_partial_group_loses_nothing_and_counts_nothing_twice(
     creds, creds_file, run_name, tiny_model_dir, tmp_path, spawn
 ):
-    ck = tmp_path / "ckpt"
-    args = ("actor", "run", "reinforge.actors.learner:Learner", "--run", run_name, "--creds",
-            str(creds_file), "--set", f"model={tiny_model_dir}", "--set", f"checkpoint_dir={ck}",
-            "--set", "groups_per_version=1", "--set", "group_size=0", "--set", "ack_wait_s=3",
-            "--set", "torch_threads=1")
-    group_a = synthetic_group("a", [1.0, 0.0, 0.0, 1.0], version=0)
-    group_b = synthetic_group("b", [0.0, 1.0, 1.0, 1.0], version=1)
+    args = learner_process(run_name, creds_file, tiny_model_dir, tmp_path / "ckpt")
+    group_a, group_b = two_versions_of_groups()
 
     async def main():
         async with open_bus(creds) as bus:
@@ -815,10 +836,45 @@ def test_a_learner_killed_with_a_partial_group_loses_nothing_and_counts_nothing_
             return await wait_for_version(bus, stream, run_name, 2, timeout_s=120)
 
     w2 = trio.run(main)
-    state = ckpt.load_trainer_state(w2.path)
-    assert state["step"] == 2
-    assert state["ledger"] == {**{s.rollout.rollout_id: 0 for s in group_a},
-                               **{s.rollout.rollout_id: 1 for s in group_b}}
+    assert_each_rollout_trained_once(w2, group_a, group_b)
+
+
+@pytest.mark.nats
+@pytest.mark.slow
+def test_a_replica_killed_mid_run_stops_its_learner_and_the_next_one_loses_nothing(
+    creds, creds_file, run_name, tiny_model_dir, tmp_path, spawn
+):
+    """kill -9 of a worker replica: the learner's next collective fails and the learner
+    exits (its supervisor would start it again); the next learner, with new replicas,
+    resumes from the checkpoint, and every rollout is trained once."""
+    import psutil
+
+    args = learner_process(run_name, creds_file, tiny_model_dir, tmp_path / "ckpt",
+                           "replicas=2")
+    group_a, group_b = two_versions_of_groups()
+
+    async def main():
+        async with open_bus(creds) as bus:
+            stream = await bus.ensure_run_stream(run_name)
+            first = spawn(*args, log_name="learner1.log")
+            await publish(bus, run_name, group_a)
+            await wait_for_version(bus, stream, run_name, 1, timeout_s=120)
+            (replica,) = [c for c in psutil.Process(first.pid).children(recursive=True)
+                          if "reinforge.rl.replicas" in " ".join(c.cmdline())]
+            replica.kill()
+            await publish(bus, run_name, group_b)
+            with trio.fail_after(120):
+                while first.poll() is None:
+                    await trio.sleep(0.2)
+            spawn(*args, log_name="learner2.log")
+            return first.returncode, await wait_for_version(bus, stream, run_name, 2,
+                                                            timeout_s=120)
+
+    code, w2 = trio.run(main)
+    assert code != 0
+    assert "ReplicaLost: a learner replica is gone: rank 1 (pid " in \
+        (tmp_path / "learner1.log").read_text()
+    assert_each_rollout_trained_once(w2, group_a, group_b)
 
 
 async def train_one_version_per_group(bus, creds, run_name, cfg, groups, after_version=None):

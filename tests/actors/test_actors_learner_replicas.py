@@ -1,0 +1,96 @@
+"""Data-parallel learner replicas (`reinforge.rl.replicas`) on torch.distributed's gloo
+backend, real worker processes: two replicas, each training on half of every optimizer
+step's samples and summing gradients, make the update one replica makes on the whole batch,
+and stay equal to each other."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from learner_fixtures import GradientRecorder, synthetic_group
+from reinforge.actors.learner import LearnerConfig
+from reinforge.rl.grpo import AdvantageNorm
+from reinforge.rl.replicas import ReplicaGroup, weights_digest
+from reinforge.rl.samples import prepare_samples
+from reinforge.rl.trainer import Trainer
+
+pytestmark = pytest.mark.slow
+
+FIGURES = ("loss", "policy_loss", "kl_behaviour", "clip_frac", "ratio_mean", "grad_norm",
+           "tokens", "logp_mismatch_mean_nats", "logp_mismatch_max_nats")
+
+
+def config(model_dir, tmp_path, **kw):
+    return LearnerConfig(**{"model": str(model_dir), "checkpoint_dir": str(tmp_path / "ckpt"),
+                            "group_size": 0, "groups_per_version": 3, "learning_rate": 1e-2,
+                            "torch_threads": 1, "micro_batch_size": 2, **kw})
+
+
+def batch():
+    groups = [synthetic_group(f"dp{k}", rewards, tokens=4 + k)
+              for k, rewards in enumerate(([1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 1.0],
+                                           [1.0, 0.0, 1.0, 0.0]))]
+    return prepare_samples(groups, AdvantageNorm.GROUP_STD)[0]
+
+
+def test_two_replicas_sum_to_the_gradient_one_replica_has_on_the_whole_batch(
+        tiny_model_dir, tmp_path):
+    cfg = config(tiny_model_dir, tmp_path, max_grad_norm=0.0)
+    samples = batch()
+    one = Trainer(cfg, tiny_model_dir)
+    alone = GradientRecorder(one)
+    one.train_step(samples, version=0)
+    group = ReplicaGroup(cfg, tiny_model_dir, replicas=2)
+    try:
+        together = GradientRecorder(group.trainer)  # rank 0's, after the all-reduce
+        group.train_step(samples, version=0)
+    finally:
+        group.close()
+    assert len(alone.grads) == len(together.grads) > 0
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+               for a, b in zip(alone.grads, together.grads, strict=True))
+
+
+@pytest.mark.parametrize("steps", [{}, {"ppo_epochs": 2, "minibatches": 2, "tis_cap": 2.0}])
+def test_two_replicas_make_the_update_one_replica_makes_on_the_same_batch(
+        tiny_model_dir, tmp_path, steps):
+    """The same policy after two versions' steps (its logprobs; a parameter whose gradient
+    is rounding noise, a key bias, moves by Adam's step either way), the same figures, and
+    the replicas' weights equal to the bit."""
+    cfg = config(tiny_model_dir, tmp_path, **steps)
+    samples = batch()
+    one = Trainer(cfg, tiny_model_dir)
+    alone = [one.train_step(samples, version=v) for v in range(2)]
+    group = ReplicaGroup(cfg, tiny_model_dir, replicas=2)
+    try:
+        together = [group.train_step(samples, version=v) for v in range(2)]
+        digests = group.weight_digests()
+        policy = group.logprobs(samples)
+        moved = weights_digest(group.model) != weights_digest(Trainer(cfg, tiny_model_dir).model)
+    finally:
+        group.close()
+    assert [w.returncode for w in group.workers] == [0]
+    assert digests[0] == digests[1] and moved
+    assert all(torch.allclose(a, b, atol=1e-5)
+               for a, b in zip(one.logprobs(samples), policy, strict=True))
+    for a, b in zip(alone, together, strict=True):
+        for k in FIGURES:
+            assert math.isclose(a[k], b[k], rel_tol=1e-4, abs_tol=1e-6), (k, a[k], b[k])
+
+
+def test_a_replica_group_restores_a_checkpoint_on_every_replica(tiny_model_dir, tmp_path):
+    cfg = config(tiny_model_dir, tmp_path)
+    group = ReplicaGroup(cfg, tiny_model_dir, replicas=3)
+    try:
+        start = group.state_dict(step=0, ledger={}, counters={})
+        first = group.weight_digests()
+        group.train_step(batch(), version=0)
+        moved = group.weight_digests()
+        group.restore(tiny_model_dir, start)
+        back = group.weight_digests()
+    finally:
+        group.close()
+    assert len(set(first)) == len(set(moved)) == len(set(back)) == 1  # three equal replicas
+    assert moved[0] != first[0] and back == first
