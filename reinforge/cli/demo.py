@@ -729,8 +729,6 @@ def trained_groups(metrics: Path) -> dict[str, dict[int, int]]:
 def guard_summary(metrics: Path) -> dict[str, Any]:
     """What the forgetting guard (the evaluator in the run) did: versions it evaluated,
     its last pass@1 per domain, and the rollbacks (with their reasons)."""
-    from reinforge.metrics.report import in_run_order
-
     versions: set[int] = set()
     last: dict[str, dict[str, Any]] = {}
     rollbacks, reasons = 0, []
@@ -740,8 +738,8 @@ def guard_summary(metrics: Path) -> dict[str, Any]:
             reasons.append(rec.get("reason", ""))
             continue
         versions.add(rec["version"])
-        if rec["domain"] not in last or in_run_order(rec) >= in_run_order(last[rec["domain"]]):
-            last[rec["domain"]] = rec
+        last[rec["domain"]] = rec  # the file is in the run's order: after a rollback a
+        # newer evaluation can carry a lower version number
     return {"versions_evaluated": sorted(versions), "rollbacks": rollbacks,
             "rollback_reasons": reasons,
             "last_pass_at_1": {d: round(r["pass_at_1"], 4) for d, r in sorted(last.items())}}
