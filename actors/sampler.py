@@ -225,6 +225,7 @@ class SamplerActor(Actor):
         self.domains_ready = trio.Event()
         self.samples = 0
         self.tasks_done = 0
+        self.tasks_outlived = 0  # asked for a version a rollback ended (see on_task)
         self.reloads = 0
         self.tool_calls = 0
         self.tool_call_errors = 0
@@ -269,6 +270,7 @@ class SamplerActor(Actor):
             "samples": float(self.samples),
             "samples_per_s": self.samples / elapsed,
             "tasks_done": float(self.tasks_done),
+            "tasks_outlived": float(self.tasks_outlived),
             "weight_reloads": float(self.reloads),
             "weight_load_errors": float(self.weight_load_errors),
             "generations_active": float(gate.active),
@@ -456,6 +458,11 @@ class SamplerActor(Actor):
             raise Reject(f"task {msg.task_id}: group_size must be >= 1, got {msg.group_size}")
         if msg.domain not in self.registry:
             raise Reject(f"task {msg.task_id}: unknown domain {msg.domain!r}")
+        if policy_version.outlived(msg.min_version, msg.epoch, self.policy):
+            # retried, it would wait for a version that will not come until max_deliver;
+            # the scheduler ended its lease at the rollback and issues it again
+            self.tasks_outlived += 1
+            return
         queued_s = max(0.0, time.time() - msg.sent_at)
         prompt_ids = task_prompt_ids(self.tokenizer, msg.prompt,
                                      chat_template=self.config.chat_template,

@@ -685,6 +685,7 @@ class Scheduler(Actor):
             attempt=1,
             min_version=max(0, st.version - cfg.max_staleness),
             purpose="train",
+            epoch=st.policy.epoch,
         )
         st.issued += 1
         st.leases[task.task_id] = Lease(task=task, base_id=spec.task_id, issued_at=now,
@@ -729,7 +730,7 @@ class Scheduler(Actor):
                 continue
             task = msgspec.structs.replace(
                 lease.task, attempt=lease.task.attempt + 1,
-                min_version=max(0, st.version - cfg.max_staleness),
+                min_version=max(0, st.version - cfg.max_staleness), epoch=st.policy.epoch,
             )
             lease.task, lease.deadline = task, now + cfg.lease_s
             c.reissued += 1

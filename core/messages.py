@@ -54,6 +54,9 @@ class Task(_Msg, frozen=True, tag="task/1"):
     attempt: int = 1  # lease attempt, for retries after a dead sampler
     min_version: int = 0  # oldest policy version allowed to answer it
     purpose: str = "train"  # "train" | "eval"
+    epoch: int = 0
+    """The learner's epoch (`WeightsPublished.epoch`) `min_version` is numbered in: after a
+    rollback past it, the task can never be served (`core/policy_version.py`, `outlived`)."""
 
 
 class Timings(msgspec.Struct, frozen=True, kw_only=True):

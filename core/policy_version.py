@@ -25,6 +25,13 @@ class PolicyVersion(msgspec.Struct, frozen=True, kw_only=True):
     """A Rollback came after the last announcement taken: the epoch it ended is over."""
 
 
+def outlived(min_version: int, epoch: int, current: PolicyVersion) -> bool:
+    """Whether a task asking for `min_version` of `epoch` can never be served: a rollback
+    ended its epoch before the policy got there (the scheduler has issued it again)."""
+    ended = epoch < current.epoch or (epoch == current.epoch and current.rolled_back)
+    return ended and min_version > current.version
+
+
 def after(current: PolicyVersion, msg: WeightsPublished | Rollback) -> PolicyVersion | None:
     """The current version once `msg` arrived, or None when `msg` changes nothing (an older
     or a repeated announcement)."""

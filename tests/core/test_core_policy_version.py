@@ -36,3 +36,18 @@ def test_a_rollback_the_learner_never_applied_keeps_the_version_low_not_stuck_hi
     # asking for v10 or later stay servable by any newer policy
     assert follow(w(40), Rollback(to_version=10, path="/v10", reason="r"), w(41), w(42)) == [
         40, 10, 10, 10]
+
+
+def test_a_task_asking_past_a_rollback_in_the_epoch_it_ended_is_outlived():
+    """v12 at epoch 0, two versions of staleness: tasks ask for v10. A rollback to v8 ends
+    epoch 0: such a task can never be served (the scheduler issues it again); one asking
+    for v8 or less still can, and so can one issued in the new epoch."""
+    from reinforge.core.policy_version import outlived
+
+    before = PolicyVersion(version=12)
+    rolled = after(before, Rollback(to_version=8, path="/v8", reason="r"))
+    new_epoch = after(rolled, w(9, 1))
+    assert not outlived(10, 0, before)
+    assert outlived(10, 0, rolled) and not outlived(8, 0, rolled)
+    assert outlived(10, 0, new_epoch) and not outlived(9, 1, new_epoch)
+    assert not outlived(10, 1, new_epoch)  # waits for epoch 1's v10, which will come
