@@ -25,10 +25,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -107,8 +107,16 @@ def _broadcast(obj: Any = None) -> Any:
     return box[0]
 
 
-def _init(rank: int, world: int, init_method: str) -> Replica:
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+def _store(port: int, world: int) -> dist.TCPStore:
+    """Where the replicas meet: rank 0's (`port` 0: it binds a free port and keeps it, so
+    no other process can take it between choosing and binding), or a worker's client."""
+    return dist.TCPStore("127.0.0.1", port, world, is_master=port == 0,
+                         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+                         wait_for_workers=False)
+
+
+def _init(rank: int, world: int, store: dist.TCPStore) -> Replica:
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     return Replica(rank, world)
 
@@ -124,21 +132,20 @@ class ReplicaGroup:
 
     def __init__(self, cfg: Any, model_dir: str | Path, state: dict[str, Any] | None = None,
                  *, reference_dir: str | Path | None = None, replicas: int = 2) -> None:
-        from reinforge.core.ports import free_port
         from reinforge.rl.trainer import Trainer
 
         if replicas < 2:
             raise ValueError(f"a replica group needs replicas >= 2, got {replicas}")
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialised in this process")
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        store = _store(0, replicas)
         self.closed = False
         self.workers = [
-            subprocess.Popen([sys.executable, "-P", "-m", "reinforge.rl.replicas",
-                              "--rank", str(r), "--world", str(replicas), "--init", init_method])
+            subprocess.Popen([sys.executable, "-P", "-m", "reinforge.rl.replicas", "--rank",
+                              str(r), "--world", str(replicas), "--port", str(store.port)])
             for r in range(1, replicas)]
         try:
-            self.replica = _init(0, replicas, init_method)
+            self.replica = _init(0, replicas, store)
             _broadcast((cfg, str(model_dir), state,
                         None if reference_dir is None else str(reference_dir)))
             self.trainer = Trainer(cfg, model_dir, state, reference_dir=reference_dir,
@@ -231,10 +238,10 @@ def worker_main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m reinforge.rl.replicas")
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--init", required=True, help="torch.distributed init method (tcp://...)")
+    ap.add_argument("--port", type=int, required=True, help="rank 0's store, on loopback")
     args = ap.parse_args(argv)
     _watch_parent()
-    replica = _init(args.rank, args.world, args.init)
+    replica = _init(args.rank, args.world, _store(args.port, args.world))
     cfg, model_dir, state, reference_dir = _broadcast()
     trainer = Trainer(cfg, model_dir, state, reference_dir=reference_dir, replica=replica)
     while True:
