@@ -13,7 +13,8 @@ def register(subparsers: Any) -> None:
     labels = sub.add_parser(
         "labels", help="write a labelled set from the judge domain's built-in tasks (JSONL of "
         "{instruction, answer, criterion, label})")
-    labels.add_argument("-n", type=int, default=200, help="items (half labelled YES)")
+    labels.add_argument("-n", type=int, default=100,
+                        help="items (100): half labelled YES, as far as its 65 YES items go")
     labels.add_argument("--seed", type=int, default=0)
     labels.add_argument("-o", "--out", required=True, help="JSONL file to write")
     labels.set_defaults(func=cmd_labels)
@@ -26,8 +27,8 @@ def register(subparsers: Any) -> None:
                           "http://127.0.0.1:30000; its tokenizer must be on this host")
     cal.add_argument("--labels", default="",
                      help="JSONL of labelled items (default: --synthetic N built-in items)")
-    cal.add_argument("--synthetic", type=int, default=200,
-                     help="built-in labelled items to use without --labels (200)")
+    cal.add_argument("--synthetic", type=int, default=100,
+                     help="built-in labelled items to use without --labels (100, half YES)")
     cal.add_argument("--seed", type=int, default=0)
     cal.add_argument("--raw-text", action="store_true",
                      help="ask in raw text, not in the judge model's chat template")

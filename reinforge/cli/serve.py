@@ -83,7 +83,8 @@ def is_reward_model(model_dir: str) -> bool:
     from pathlib import Path
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    return any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
+    return any(str(a).endswith("ForSequenceClassification")
+               for a in config.get("architectures") or [])
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -98,12 +99,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(
             f"--model {args.model}: no config.json there (run `reinforge model init --out DIR`)"
         )
-    if is_reward_model(args.model) != args.is_embedding:
-        raise UserError(
-            f"--model {args.model} is a reward model: serve it with --is-embedding"
-            if args.is_embedding is False else
-            f"--is-embedding: {args.model} is not a reward model (no ...ForSequenceClassification "
-            "in its config.json's architectures)")
+    try:
+        reward_model = is_reward_model(args.model)
+    except ValueError as exc:
+        raise UserError(f"--model {args.model}: its config.json does not parse: {exc}") from None
+    if reward_model and not args.is_embedding:
+        raise UserError(f"--model {args.model} is a reward model: serve it with --is-embedding")
+    if args.is_embedding and not reward_model:
+        raise UserError(f"--is-embedding: {args.model} is not a reward model (no "
+                        "...ForSequenceClassification in its config.json's architectures)")
     if args.is_embedding:
         from reinforge.engine.reward_server import serve_reward_model
 
