@@ -36,6 +36,8 @@ def after(current: PolicyVersion, msg: WeightsPublished | Rollback) -> PolicyVer
     """The current version once `msg` arrived, or None when `msg` changes nothing (an older
     or a repeated announcement)."""
     if isinstance(msg, Rollback):
+        if current.rolled_back and current.version == msg.to_version:
+            return None  # a repeat: JetStream stores one, but core subscribers get both
         return PolicyVersion(version=msg.to_version, epoch=current.epoch, rolled_back=True)
     newer_epoch = msg.epoch > current.epoch
     if newer_epoch or (msg.epoch == current.epoch and not current.rolled_back

@@ -26,6 +26,16 @@ def test_a_stale_announcement_after_a_rollback_is_ignored_until_the_new_epoch():
                   w(40), w(12, 1)) == [39, 10, 10, 11, 11, 12]
 
 
+def test_a_repeated_rollback_changes_nothing():
+    """The same Rollback published twice (a sender's retry): the stream keeps one, but a
+    core subscription delivers both; the second must not count as another rollback."""
+    back = Rollback(to_version=8, path="/v8", reason="r")
+    rolled = after(PolicyVersion(version=12), back)
+    assert rolled == PolicyVersion(version=8, rolled_back=True)
+    assert after(rolled, back) is None
+    assert after(rolled, Rollback(to_version=5, path="/v5", reason="r")).version == 5
+
+
 def test_within_an_epoch_only_a_higher_version_moves_on():
     assert follow(w(3), w(2), w(3), w(5)) == [3, 3, 3, 5]
     assert after(PolicyVersion(version=5), w(5)) is None  # nothing changes: no reload
