@@ -34,6 +34,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+EXIT_SHOWS_S = 10.0
+"""How long a failed collective waits for a dead worker's exit to be visible (CI saw the
+peer's reset before `poll` saw the exit)."""
+
 COLLECTIVE_TIMEOUT_S = 600.0
 """How long a replica waits for the others in one collective (a step of a big model on a
 CPU included) before it gives up."""
@@ -176,10 +180,13 @@ class ReplicaGroup:
         try:
             yield
         except RuntimeError as exc:
-            gone = [f"rank {r} (pid {w.pid}) exited with {w.poll()}"
-                    for r, w in enumerate(self.workers, 1) if w.poll() is not None]
-            if not gone:
-                raise
+            # its sockets close before the process is a zombie: give the exit a moment to show
+            deadline = time.monotonic() + EXIT_SHOWS_S
+            while not (gone := [f"rank {r} (pid {w.pid}) exited with {w.poll()}"
+                                for r, w in enumerate(self.workers, 1) if w.poll() is not None]):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
             raise ReplicaLost(f"a learner replica is gone: {', '.join(gone)}; the learner "
                               "stops, and starts again from its last checkpoint") from exc
 
