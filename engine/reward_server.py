@@ -28,6 +28,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from reinforge.engine.server import _contract_error, health  # the API's shapes, one place
+
 
 class ClassifyRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     text: str | list[str] | None = None
@@ -124,10 +126,6 @@ class RewardServerState:
         self.started_at = time.time()
 
 
-def _contract_error(message: str) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=400)
-
-
 async def classify(request: Request) -> Response:
     state: RewardServerState = request.app.state.server
     try:
@@ -166,10 +164,6 @@ async def classify(request: Request) -> Response:
                                                   "prompt_tokens": len(ids)}}
              for k, (score, ids) in enumerate(zip(got, seqs))]
     return JSONResponse(items if batched else items[0])
-
-
-async def health(request: Request) -> Response:
-    return Response(status_code=200)
 
 
 async def model_info(request: Request) -> Response:
