@@ -71,7 +71,12 @@ from reinforge.core import paths, policy_version, subjects
 from reinforge.core.policy_version import PolicyVersion
 from reinforge.core.actor import Actor, Input
 from reinforge.core.atomic import write_json_atomic
-from reinforge.core.weights import WeightsUnavailable, fetched_weights_dir, local_weights
+from reinforge.core.weights import (
+    FetchStats,
+    WeightsUnavailable,
+    fetched_weights_dir,
+    local_weights,
+)
 from reinforge.core.messages import (
     EvalStats,
     KeepVersions,
@@ -505,6 +510,7 @@ class Evaluator(Actor):
         self.tokenizer: Any = None
         self.served_version: int | None = None
         self.fetched = fetched_weights_dir("eval")
+        self.fetch_stats = FetchStats()
         self.last_scores: dict[str, DomainScore] = {}
         self.skipped_versions = 0
         self.policy = PolicyVersion()
@@ -537,7 +543,8 @@ class Evaluator(Actor):
     def figures(self) -> dict[str, float]:
         out: dict[str, float] = {"evaluated_versions": float(len(self.state.evaluated)),
                                  "skipped_versions": float(self.skipped_versions),
-                                 "rollbacks": float(len(self.state.rolled_back))}
+                                 "rollbacks": float(len(self.state.rolled_back)),
+                                 **self.fetch_stats.figures()}
         if self.state.last_good is not None:
             out["last_good_version"] = float(self.state.last_good.version)
         for d, s in self.last_scores.items():
@@ -694,7 +701,7 @@ class Evaluator(Actor):
         if msg.store and not Path(msg.path).is_dir():  # not this host's disk: fetch it
             try:
                 local = await local_weights(self.ctx.bus, msg.path, msg.store, msg.version,
-                                            self.fetched)
+                                            self.fetched, self.fetch_stats)
             except WeightsUnavailable as exc:
                 raise gone from exc
             msg = msgspec.structs.replace(msg, path=local)

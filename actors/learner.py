@@ -730,6 +730,9 @@ class Learner(Actor):
                         weights=c.weights, tokenizer_src=self.tokenizer_src,
                         version=c.version, step=c.step, trainer_state=c.state))
                 checkpoint_s = time.monotonic() - t0
+                # the next one copies the tokenizer from this one: pruning never removes the
+                # newest checkpoint, but may remove the one the learner started from
+                self.tokenizer_src = path
                 await trio.to_thread.run_sync(self.journal.clear, c.sealed)  # in it now
                 await self._publish_weights(c.version, path, c.step)
                 for g in c.batch:  # committed: later deliveries of its tasks are acked at once
@@ -784,6 +787,7 @@ class Learner(Actor):
             await trio.to_thread.run_sync(self._journal_beyond, state)
             dropped = await trio.to_thread.run_sync(
                 ckpt.delete_newer_checkpoints, self.root, msg.to_version)
+        self.tokenizer_src = source  # the newest checkpoint now (see _commit)
         self.rollbacks_applied.append(rollback_key(msg))
         self.counters["rollbacks"] += 1
         rolled_back_from = self.version

@@ -55,7 +55,12 @@ from reinforge.rollout.server import BACKENDS, ServerProcess, ServerSpec
 from reinforge.envs.sandbox.owned import hold_sandbox_runner, sandbox_labels
 from reinforge.core import paths, policy_version, subjects
 from reinforge.core.policy_version import PolicyVersion
-from reinforge.core.weights import fetched_weights_dir, local_weights
+from reinforge.core.weights import (
+    FetchStats,
+    WeightsUnavailable,
+    fetched_weights_dir,
+    local_weights,
+)
 from reinforge.core.cluster import RUN_DEFAULTS
 from reinforge.engine.tokenizer import load_tokenizer
 from reinforge.core.actor import Actor, Input, Reject, Retry
@@ -230,9 +235,11 @@ class SamplerActor(Actor):
         self.tool_calls = 0
         self.tool_call_errors = 0
         self.weight_load_errors = 0
+        self.weights_gone = 0  # announced versions pruned before this host had them
         self.last_weight_error = ""
         self.started = time.monotonic()
         self._fetched = fetched_weights_dir("sampler")
+        self.fetch_stats = FetchStats()
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -273,12 +280,14 @@ class SamplerActor(Actor):
             "tasks_outlived": float(self.tasks_outlived),
             "weight_reloads": float(self.reloads),
             "weight_load_errors": float(self.weight_load_errors),
+            "weights_gone": float(self.weights_gone),
             "generations_active": float(gate.active),
             "generations_held": float(gate.held),
             "weights_drain_s": gate.drain_s,
             "weights_gate_closed_s": gate.closed_s,
             "tool_calls": float(self.tool_calls),
             "tool_call_errors": float(self.tool_call_errors),
+            **self.fetch_stats.figures(),
         }
 
     async def setup(self) -> None:
@@ -397,7 +406,15 @@ class SamplerActor(Actor):
             assert self.client is not None
             with self.ctx.waiting(f"fetching weights v{version}", deadline_s=600):
                 # this host may not have the learner's disk: then from the object store
-                path = await local_weights(self.ctx.bus, path, store, version, self._fetched)
+                try:
+                    path = await local_weights(self.ctx.bus, path, store, version,
+                                               self._fetched, self.fetch_stats)
+                except WeightsUnavailable as exc:
+                    # pruned (a slow fetch, a late message): a newer version is out, and
+                    # its message or the next poll brings it; this one is served meanwhile
+                    self.weights_gone += 1
+                    self.last_weight_error = str(exc)
+                    return
             with self.ctx.waiting(f"rollout server loading weights v{version}", deadline_s=600):
                 await self.client.update_weights_from_disk(path, weight_version=str(version))
                 served = await self.client.weight_version()

@@ -382,9 +382,10 @@ class Bus:
         await self.js_call(ensure, what=f"creating stream {name}")
         return name
 
-    async def object_store(self, bucket: str, *, create: bool = False) -> Any:
-        """nats-py's ObjectStore for `bucket` (file storage), created when `create`; call
-        its coroutines through `js_call`."""
+    async def object_store(self, bucket: str, *, create: bool = False,
+                           replicas: int = 1) -> Any:
+        """nats-py's ObjectStore for `bucket` (file storage), created when `create` (with
+        `replicas` copies); call its coroutines through `js_call`."""
 
         async def open_it() -> Any:
             try:
@@ -392,11 +393,32 @@ class Bus:
             except nats.js.errors.BucketNotFoundError:
                 if not create:
                     raise
-                config = js_api.ObjectStoreConfig(bucket=bucket,
+                config = js_api.ObjectStoreConfig(bucket=bucket, replicas=replicas,
                                                   storage=js_api.StorageType.FILE)
                 return await self._js.create_object_store(bucket, config=config)
 
         return await self.js_call(open_it, what=f"opening object store {bucket}")
+
+    async def stream_replicas(self, stream: str) -> int:
+        """How many copies of `stream` the cluster keeps (1 when it does not exist)."""
+
+        async def replicas() -> int:
+            try:
+                return (await self._js.stream_info(stream)).config.num_replicas or 1
+            except nats.js.errors.NotFoundError:
+                return 1
+
+        return await self.js_call(replicas, what=f"reading stream {stream}")
+
+    async def next_message(self, stream: str, subject: str, from_seq: int,
+                           *, what: str, deadline_s: float) -> tuple[int, bytes]:
+        """The first message on `subject` at or after stream sequence `from_seq`, as
+        (sequence, data): one request, which a cluster that cannot answer yet is asked again
+        until `deadline_s` (`js_call`)."""
+        msg = await self.js_call(
+            lambda: self._js.get_msg(stream, seq=from_seq, subject=subject, next=True),
+            what=what, deadline_s=deadline_s)
+        return msg.seq, msg.data or b""
 
     async def js_call(self, call: Callable[[], Awaitable[Any]], *, what: str,
                       deadline_s: float = 60.0) -> Any:

@@ -1,6 +1,7 @@
 """What `reinforge up` reads: a TOML cluster config, decoded into typed Structs.
 
     nats_url = ""                       # "" = start an embedded nats-server
+    stream_replicas = 1                 # 3 on a three-node NATS cluster (docs/multihost.md)
     [run]                               # what every actor of the run must agree on
     name = "smoke"                      # default run name (--run overrides)
     group_size = 8
@@ -131,11 +132,23 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """An existing NATS server to join instead of starting one (then `nats_creds` too)."""
     nats_creds: str = ""
     """Credentials file for `nats_url` (JSON: url, user, password)."""
+    stream_replicas: int = 1
+    """Copies of the run's stream the NATS servers keep (and of the weights the learner
+    puts in the object store): 3 on a three-node cluster, so the run outlives a node.
+    Only with `nats_url`; an existing stream is never scaled down."""
     rollout_server: RolloutServerSpec = RolloutServerSpec()
     actors: list[ActorSpec] = []
     supervisor: SupervisorConfig = SupervisorConfig()
     log: LogRetention = LogRetention()
     """How much of the message log the run keeps (acknowledged messages only)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.stream_replicas <= 5:
+            raise ValueError(f"stream_replicas must be 1..5 (JetStream's limit), got "
+                             f"{self.stream_replicas}")
+        if self.stream_replicas > 1 and not self.nats_url:
+            raise ValueError("stream_replicas > 1 needs a NATS cluster: set nats_url and "
+                             "nats_creds (the embedded nats-server is one node)")
 
 
 def load_cluster_config(
@@ -216,6 +229,35 @@ def read_run_settings(run_dir: Path) -> RunSettings:
         return msgspec.json.decode(path.read_bytes(), type=RunSettings)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise cfg.ConfigError(f"{path} is unreadable: {exc}") from None
+
+
+async def publish_run_settings(bus: Any, run: str, settings: RunSettings, host: str) -> None:
+    """Store the run's settings in its stream, for actors attached on other machines."""
+    import hashlib
+
+    from reinforge.core.messages import RunSettingsPublished
+
+    msg = RunSettingsPublished(settings=msgspec.to_builtins(settings), host=host)
+    digest = hashlib.sha256(msgspec.json.encode(msg)).hexdigest()[:32]
+    await bus.publish_durable(subjects.settings(run), msg, msg_id=f"settings:{digest}")
+
+
+async def published_run_settings(bus: Any, run: str) -> RunSettings | None:
+    """The settings `reinforge up` stored for `run` (the newest), or None."""
+    from reinforge.core.messages import RunSettingsPublished, decode
+
+    last = await bus.last_message(subjects.stream_name(run), subjects.settings(run))
+    if last is None:
+        return None
+    msg = decode(last.data)
+    if not isinstance(msg, RunSettingsPublished):
+        raise cfg.ConfigError(f"{subjects.settings(run)} holds a {type(msg).__name__}, not the "
+                              "run's settings")
+    try:
+        return msgspec.convert(msg.settings, RunSettings)
+    except msgspec.ValidationError as exc:
+        raise cfg.ConfigError(f"the settings stored for run {run!r} are unreadable: {exc}"
+                              ) from None
 
 
 def _run_value(name: str, value: Any, where: str) -> Any:

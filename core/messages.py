@@ -212,6 +212,16 @@ class Rollback(_Msg, frozen=True, tag="rollback/1"):
     """As WeightsPublished.store."""
 
 
+class RunSettingsPublished(_Msg, frozen=True, tag="run-settings/1"):
+    """The run's `[run]` settings, stored by `reinforge up` when it starts the run: an
+    actor attached on another machine (`reinforge attach`) joins with them. The newest one
+    stands."""
+
+    settings: dict[str, Any]
+    """`RunSettings` (`core/cluster.py`) as plain data."""
+    host: str = ""
+
+
 class KeepVersions(_Msg, frozen=True, tag="keep-versions/1"):
     """The versions the evaluator may roll back to (its last good version, each domain's
     gold peak): the learner never prunes their checkpoints. The newest one stands."""
@@ -395,6 +405,7 @@ Message = Union[
     GroupDecision,
     WeightsPublished,
     Rollback,
+    RunSettingsPublished,
     KeepVersions,
     TrainStats,
     EvalStats,

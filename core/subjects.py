@@ -66,6 +66,10 @@ def keep(run: str) -> str:
     return f"rl.{run}.keep"
 
 
+def settings(run: str) -> str:
+    return f"rl.{run}.settings"
+
+
 def stats(run: str, actor: str = "*") -> str:
     return f"rl.{run}.stats.{actor}"
 

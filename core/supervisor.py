@@ -28,7 +28,13 @@ from reinforge.rollout.command import serve_argv
 from reinforge.core import paths, subjects
 from reinforge.core.atomic import write_json_atomic
 from reinforge.core.bus import Bus, open_bus
-from reinforge.core.cluster import ActorSpec, ClusterConfig, actor_in_run, config_to_overrides
+from reinforge.core.cluster import (
+    ActorSpec,
+    ClusterConfig,
+    actor_in_run,
+    config_to_overrides,
+    publish_run_settings,
+)
 from reinforge.core.messages import (
     ActorStatus,
     Announce,
@@ -216,7 +222,9 @@ class Supervisor:
         async with open_bus(self.creds, name=f"supervisor-{self.run}") as bus:
             self._bus = bus
             if self.role == "up":
-                await bus.ensure_run_stream(self.run)
+                await bus.ensure_run_stream(self.run, replicas=self.config.stream_replicas)
+                await publish_run_settings(bus, self.run, self.config.run,
+                                           socket.gethostname())
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._watch_heartbeats, bus)

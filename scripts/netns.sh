@@ -4,6 +4,7 @@
 #   scripts/netns.sh up   PREFIX N   # PREFIX-sw (a bridge) + hosts PREFIX-h1..hN at 10.77.0.1..N
 #   scripts/netns.sh cut  PREFIX I   # take host I off the switch (its link loses carrier)
 #   scripts/netns.sh heal PREFIX I   # put it back
+#   scripts/netns.sh throttle PREFIX I RATE   # host I's link at RATE (tc's units: 2mbit), both ways
 #   scripts/netns.sh down PREFIX     # kill what runs in the namespaces, delete them
 #   scripts/netns.sh addr I          # the address of host I
 #
@@ -74,6 +75,17 @@ set_port() {
     ip -n "$prefix-sw" link set "p$i" "$state"
 }
 
+throttle() {
+    local prefix=$1 i=$2 rate=$3
+    check_prefix "$prefix"; check_index "$i"
+    [[ "$rate" =~ ^[0-9]+[kmg]?bit$ ]] || die "bad RATE '$rate' (e.g. 512kbit, 2mbit)"
+    command -v tc >/dev/null 2>&1 || die "the 'tc' command (iproute2) is missing"
+    # A token bucket on each end of the host's cable: what the host sends (its eth0) and
+    # what it receives (the switch's port). Packets past 400 ms of queue are dropped.
+    ip netns exec "$prefix-h$i" tc qdisc replace dev eth0 root tbf rate "$rate" burst 32kbit latency 400ms
+    ip netns exec "$prefix-sw" tc qdisc replace dev "p$i" root tbf rate "$rate" burst 32kbit latency 400ms
+}
+
 need_ip
 cmd="${1:-}"; shift || true
 case "$cmd" in
@@ -81,6 +93,7 @@ case "$cmd" in
     down) [ $# = 1 ] || die "usage: down PREFIX"; down "$1" ;;
     cut)  [ $# = 2 ] || die "usage: cut PREFIX I"; set_port "$1" "$2" down ;;
     heal) [ $# = 2 ] || die "usage: heal PREFIX I"; set_port "$1" "$2" up ;;
+    throttle) [ $# = 3 ] || die "usage: throttle PREFIX I RATE"; throttle "$1" "$2" "$3" ;;
     addr) [ $# = 1 ] || die "usage: addr I"; check_index "$1"; echo "$SUBNET.$1" ;;
-    *)    die "usage: netns.sh up|down|cut|heal|addr ..." ;;
+    *)    die "usage: netns.sh up|down|cut|heal|throttle|addr ..." ;;
 esac

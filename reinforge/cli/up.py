@@ -293,7 +293,7 @@ def cmd_attach(args: argparse.Namespace) -> int:
     from reinforge.cli import UserError
     from reinforge.core import paths, subjects
     from reinforge.cli.actor import build_actor, load_creds
-    from reinforge.core.cluster import ActorSpec, ClusterConfig, actor_in_run, read_run_settings
+    from reinforge.core.cluster import ActorSpec, ClusterConfig, actor_in_run
     from reinforge.core.config import ConfigError, parse_overrides
 
     run = subjects.check_token(args.run, "run name")
@@ -318,7 +318,10 @@ def cmd_attach(args: argparse.Namespace) -> int:
     from reinforge.core.supervisor import Supervisor
 
     os.environ[RUN_ENV] = run
-    settings = read_run_settings(paths.run_dir(run))
+    try:
+        settings = joined_run_settings(run, creds)
+    except ConfigError as exc:
+        raise UserError(str(exc)) from None
     try:
         actor = actor_in_run(settings, ActorSpec(spec=args.spec, replicas=args.replicas,
                                                  config=parse_overrides(args.overrides)))
@@ -330,6 +333,23 @@ def cmd_attach(args: argparse.Namespace) -> int:
     supervisor = Supervisor(config, run=run, creds=creds, creds_file=creds_file, role="attach")
     trio.run(supervisor.run_forever)
     return 0
+
+
+def joined_run_settings(run: str, creds: Any) -> Any:
+    """The settings of the run an attach joins: those `reinforge up` stored in the run's
+    stream (so another machine gets them too), else this machine's run.json, else the
+    defaults (a run of actors started by hand)."""
+    import trio
+
+    from reinforge.core import paths
+    from reinforge.core.bus import open_bus
+    from reinforge.core.cluster import published_run_settings, read_run_settings
+
+    async def stored() -> Any:
+        async with open_bus(creds, name=f"attach-{run}") as bus:
+            return await published_run_settings(bus, run)
+
+    return trio.run(stored) or read_run_settings(paths.run_dir(run))
 
 
 def attach_via_supervisor(creds: Any, run: str, args: argparse.Namespace) -> int:

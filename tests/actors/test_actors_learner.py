@@ -774,6 +774,40 @@ def test_a_restarted_learner_resumes_and_skips_what_its_checkpoint_consumed(
     assert last["dropped_stale_groups"] == 1.0 and last["samples"] == 4.0
 
 
+def test_checkpoints_after_a_restart_keep_the_tokenizer_once_the_resumed_one_is_pruned(
+    creds, run_name, tiny_model_dir, tmp_path
+):
+    """A restarted learner resumes from its newest checkpoint; when pruning removes that one,
+    the checkpoints it writes next still carry the tokenizer (a sampler or `reinforge eval`
+    loads them on their own)."""
+    cfg = make_config(tiny_model_dir, tmp_path, groups_per_version=1, keep_last=2,
+                      max_staleness=5)
+    groups = [synthetic_group(t, [1.0, 0.0, 0.0, 1.0], version=0) for t in "abcd"]
+
+    async def run_learner(bus, stream, todo, until):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(functools.partial(run_actor, Learner, creds=creds,
+                                                  run=run_name, config=cfg))
+            for g in todo:
+                await publish(bus, run_name, g)
+            w = await wait_for_version(bus, stream, run_name, until)
+            nursery.cancel_scope.cancel()
+        return w
+
+    async def main():
+        async with open_bus(creds) as bus:
+            stream = await bus.ensure_run_stream(run_name)
+            await run_learner(bus, stream, groups[:1], 1)
+            return await run_learner(bus, stream, groups[1:], 4)  # resumes from v1
+
+    last = trio.run(main)
+    kept = ckpt.list_checkpoints(tmp_path / "ckpt")
+    assert [v for v, _ in kept] == [3, 4] and last.version == 4
+    for _, path in kept:
+        assert (path / "tokenizer.json").read_bytes() == \
+            (tiny_model_dir / "tokenizer.json").read_bytes()
+
+
 def test_the_kl_term_to_the_reference_starts_at_zero_and_enters_the_loss(tiny_model_dir, tmp_path):
     group = synthetic_group("k", [1.0, 0.0, 0.0, 1.0])
     samples, _ = prepare_samples([group], AdvantageNorm.NONE)
@@ -911,7 +945,7 @@ def test_a_learner_publishing_to_the_store_makes_each_version_fetchable_elsewher
     async def main():
         async with open_bus(creds) as bus:
             w = await train_one_version_per_group(bus, creds, run_name, cfg, groups)
-            fetched = await fetch_version(bus, w.store, 3, tmp_path / "elsewhere" / "v3")
+            fetched = (await fetch_version(bus, w.store, 3, tmp_path / "elsewhere" / "v3")).path
             store = await bus.object_store(w.store)
             names = {o.name for o in await bus.js_call(store.list, what="list") if not o.deleted}
             return w, fetched, names

@@ -271,13 +271,16 @@ def test_the_client_tells_a_refused_request_from_an_unreachable_server(server_ur
 # ----------------------------------------------------------------------------- in a cluster
 
 
-async def wait_for_figure(bus, run: str, name: str, value: float, timeout_s: float) -> None:
+async def wait_for_figure(bus, run: str, name: str, value: float, timeout_s: float,
+                          at_least: bool = False) -> None:
+    """Until a sampler's heartbeat shows figure `name` at `value` (or above, `at_least`)."""
     async with bus.subscribe(subjects.heartbeat(run, "*")) as sub:
         with trio.fail_after(timeout_s):
             async for batch in sub:
                 for raw in batch:
                     hb = m.decode(raw.data)
-                    if hb.actor_type == "sampler" and hb.figures.get(name) == value:
+                    got = hb.figures.get(name, float("nan"))
+                    if hb.actor_type == "sampler" and (got >= value if at_least else got == value):
                         return
 
 
@@ -423,9 +426,11 @@ def test_a_sampler_started_late_loads_the_newest_stored_version_and_follows_a_ro
 def test_a_sampler_without_the_checkpoint_on_its_disk_fetches_the_version_from_the_store(
     creds, run_name, tiny_model_dir, tmp_path, monkeypatch
 ):
+    """v1 was pruned from the store before this host fetched it (a slow host): the sampler
+    counts it gone and keeps serving; v2 it fetches and serves."""
     import tempfile
 
-    from reinforge.core.weights import put_version
+    from reinforge.core.weights import delete_versions, put_version
 
     scratch = tmp_path / "tmp"
     scratch.mkdir()
@@ -435,6 +440,7 @@ def test_a_sampler_without_the_checkpoint_on_its_disk_fetches_the_version_from_t
         return sorted(str(p.relative_to(scratch)) for p in scratch.glob("rf-sampler-*/*"))
 
     v1 = perturbed_copy(tiny_model_dir, tmp_path / "v1", seed=1)
+    v2 = perturbed_copy(tiny_model_dir, tmp_path / "v2", seed=2)
     cfg = SamplerConfig(model_path=str(tiny_model_dir), temperature=0.0, max_new_tokens=4,
                         server_args=["--max-total-tokens", "8192"], weights_poll_s=30.0)
 
@@ -442,26 +448,36 @@ def test_a_sampler_without_the_checkpoint_on_its_disk_fetches_the_version_from_t
         async with open_bus(creds) as bus, trio.open_nursery() as nursery:
             await bus.ensure_run_stream(run_name)
             bucket = await put_version(bus, run_name, 1, v1)
+            await put_version(bus, run_name, 2, v2)
+            await delete_versions(bus, bucket, keep={2})
             shutil.rmtree(v1)  # the learner's disk is not this host's
+            shutil.rmtree(v2)
             await nursery.start(functools.partial(
                 run_actor, SamplerActor, creds=creds, run=run_name, config=cfg,
                 runtime=RuntimeConfig(heartbeat_s=0.3)))
             nothing_fetched_yet = sorted(scratch.glob("rf-sampler-*"))  # not even a folder
             await bus.publish_durable(subjects.weights(run_name), m.WeightsPublished(
                 version=1, path=str(v1), store=bucket), msg_id="weights:1")
-            await wait_for_figure(bus, run_name, "policy_version", 1.0, 120)
+            # (the message, and maybe a poll of the newest stored one, count it)
+            await wait_for_figure(bus, run_name, "weights_gone", 1.0, 120, at_least=True)
+            await bus.publish_durable(subjects.weights(run_name), m.WeightsPublished(
+                version=2, path=str(v2), store=bucket), msg_id="weights:2")
+            await wait_for_figure(bus, run_name, "policy_version", 2.0, 120)
             fetched_while_running = fetched()
             (task,) = math_tasks("far", 1, 1)
             await bus.publish_durable(subjects.task(run_name, "math"), task, msg_id="far")
             got = await collect_rollouts(bus, run_name, {"far0:0:1"}, timeout_s=120,
                                          group="far")
+            dead = [d async for d in bus.read_stream(await bus.ensure_run_stream(run_name),
+                                                     filter_subject=subjects.dlq(run_name))]
             nursery.cancel_scope.cancel()
-        return got, nothing_fetched_yet, fetched_while_running
+        return got, nothing_fetched_yet, fetched_while_running, dead
 
-    got, before, during = trio.run(main)
-    assert got["far0:0:1"].policy_version == 1
+    got, before, during, dead = trio.run(main)
+    assert got["far0:0:1"].policy_version == 2
+    assert dead == []  # the gone version was counted, not dead-lettered
     # the folder for fetched versions exists only once one is fetched, and goes on close
-    assert before == [] and len(during) == 1 and during[0].endswith("/v1")
+    assert before == [] and len(during) == 1 and during[0].endswith("/v2")
     assert fetched() == []
 
 

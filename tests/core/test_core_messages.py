@@ -19,6 +19,7 @@ def sample_messages() -> list:
                         signal=True, samples=8),
         m.WeightsPublished(version=3, path="/ckpt/3"),
         m.Rollback(to_version=2, path="/ckpt/2", reason="math fell below 0.3"),
+        m.RunSettingsPublished(settings={"name": "r", "group_size": 4}, host="h1"),
         m.KeepVersions(versions=[2, 10], reason="the evaluator's rollback targets"),
         m.TrainStats(version=3, step=7, loss=0.5, figures={"kl": 0.01}),
         m.EvalStats(version=3, domain="math", pass_at_1=0.5, pass_at_k=0.75, k=4, n_tasks=8),

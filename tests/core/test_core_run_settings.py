@@ -105,3 +105,43 @@ def test_an_attached_actor_joins_the_runs_settings_or_is_refused():
     assert joined.config["max_staleness"] == 1
     with pytest.raises(ConfigError, match="max_staleness"):
         actor_in_run(run, ActorSpec(spec=LEARNER, config={"model": "m", "max_staleness": 3}))
+
+
+def test_stream_replicas_above_one_needs_a_nats_cluster_to_join(tmp_path):
+    with pytest.raises(ConfigError, match="stream_replicas > 1 needs a NATS cluster"):
+        load_cluster_config(write(tmp_path, "stream_replicas = 3\n" + actors_toml()))
+    with pytest.raises(ConfigError, match="stream_replicas must be 1..5"):
+        load_cluster_config(write(tmp_path, 'nats_url = "nats://h:4222"\nstream_replicas = 7\n'))
+    config = load_cluster_config(write(tmp_path, 'nats_url = "nats://h:4222"\n'
+                                       'stream_replicas = 3\n' + actors_toml()))
+    assert config.stream_replicas == 3
+
+
+@pytest.mark.nats
+def test_an_attach_on_another_machine_joins_the_settings_up_stored_in_the_stream(
+        creds, run_name, tmp_path, monkeypatch):
+    """`reinforge up` stores `[run]` in the run's stream; an attach whose machine has no
+    run.json (another machine) joins with those settings, not with the defaults."""
+    import trio
+    from reinforge.cli.up import joined_run_settings
+    from reinforge.core.bus import open_bus
+    from reinforge.core.cluster import publish_run_settings, published_run_settings
+
+    monkeypatch.setenv("REINFORGE_HOME", str(tmp_path / "another-machine"))
+    stated = RunSettings(name=run_name, group_size=4, groups_per_version=1, max_staleness=3,
+                         heldout={"tasks_per_tier": 2})
+
+    async def before_and_after_up():
+        async with open_bus(creds) as bus:
+            await bus.ensure_run_stream(run_name)
+            before = await published_run_settings(bus, run_name)
+            await publish_run_settings(bus, run_name, RunSettings(name=run_name), "h1")
+            await publish_run_settings(bus, run_name, stated, "h1")  # up again: newest stands
+            return before
+
+    assert trio.run(before_and_after_up) is None
+    joined = joined_run_settings(run_name, creds)
+    assert joined == stated
+    learner = actor_in_run(joined, ActorSpec(spec=LEARNER, config={"model": "m"}))
+    assert (learner.config["group_size"], learner.config["max_staleness"]) == (4, 3)
+    assert not (tmp_path / "another-machine").exists()  # nothing read from, or written to, disk

@@ -35,6 +35,10 @@ class NetnsLab:
     def heal(self, i: int) -> None:
         netns("heal", self.prefix, str(i))
 
+    def throttle(self, i: int, rate: str) -> None:
+        """Host i's link carries at most `rate` (tc's units: "1mbit") each way."""
+        netns("throttle", self.prefix, str(i), rate)
+
 
 def netns(*args: str) -> str:
     proc = subprocess.run(

@@ -14,6 +14,7 @@ the output exactly once, and outputs were stored while h2 was cut off.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -29,6 +30,8 @@ from reinforge.core.natscluster import NatsCluster
 from reinforge.core.natsd import find_nats_server
 from reinforge.core.ports import free_ports
 
+from netns_hosts import Procs, finish_and_account, wait_for
+
 pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.timeout(180)]
 
 ECHO = "reinforge.actors.echo:EchoActor"
@@ -42,62 +45,12 @@ CUT_S = 15.0
 ECHO_SETS = ("concurrency=4", "delay_s=0.1")
 
 
-class Procs:
-    """Processes started inside namespaces; all killed (by pid) at the end."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def start(self, name: str, netns: str, argv: list[str]) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
-        proc = subprocess.Popen(
-            ["ip", "netns", "exec", netns, *argv],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )
-        log.close()
-        self.procs[name] = proc
-        return proc
-
-    def log(self, name: str) -> str:
-        return (self.log_dir / f"{name}.log").read_text(errors="replace")
-
-    def kill_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=10)
-
-
 def actor(spec: str, run: str, creds: Path, *sets: str) -> list[str]:
     argv = [sys.executable, "-m", "reinforge", "actor", "run", spec, "--run", run,
             "--creds", str(creds)]
     for s in sets:
         argv += ["--set", s]
     return argv
-
-
-def events(path: Path) -> list[dict]:
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        if line.startswith("{"):
-            out.append(json.loads(line))
-    return out
-
-
-def wait_for(path: Path, cond, what: str, timeout_s: float, procs: Procs) -> list[dict]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        evs = events(path)
-        if cond(evs):
-            return evs
-        dead = [n for n, p in procs.procs.items() if p.poll() is not None]
-        if dead:
-            pytest.fail(f"process {dead[0]} exited while waiting for {what}:\n"
-                        f"{procs.log(dead[0])[-3000:]}")
-        time.sleep(0.2)
-    pytest.fail(f"timed out after {timeout_s} s waiting for {what}; observer said:\n"
-                f"{path.read_text(errors='replace')[-3000:]}")
 
 
 def last_progress(evs: list[dict]) -> dict:
@@ -146,11 +99,7 @@ def test_cutting_one_host_off_and_back_keeps_the_run_going_without_loss_or_dupli
         # Give h2's actor time to reconnect and push its stale in-flight outputs (they must
         # dedupe) before the final count.
         time.sleep(6.0)
-        finish.touch()
-        evs = wait_for(obs_out, lambda ev: any(e["event"] == "final" for e in ev),
-                       "the final accounting", 30, procs)
-        exited = {n: p.returncode for n, p in procs.procs.items()
-                  if n != "observer" and p.poll() is not None}
+        evs, exited = finish_and_account(procs, obs_out, finish, 30)
     finally:
         procs.kill_all()
         cluster.stop(kill=True)
@@ -274,6 +223,37 @@ def test_an_actor_starting_with_the_r1_default_never_scales_an_r3_stream_down(
             assert len(info.cluster.replicas) == 2  # two followers beside the leader
 
     trio.run(main)
+
+
+def test_the_weights_bucket_is_kept_three_times_and_outlives_the_node_that_led_it(
+    loopback_cluster, run_name, tmp_path
+):
+    """The learner's bucket takes the run stream's replica count: with the node that led it
+    killed, a host still fetches the version whole from the other two."""
+    from reinforge.core.weights import fetch_version, put_version
+
+    model = tmp_path / "v1"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(os.urandom(400_000))
+    bucket = subjects.weights_bucket(run_name)
+
+    async def put() -> tuple[int, str]:
+        async with open_bus(loopback_cluster.credentials()) as bus:
+            await bus.ensure_run_stream(run_name, replicas=3)
+            await put_version(bus, run_name, 1, model)
+            info = await bus.stream_info(f"OBJ_{bucket}")
+            return info.config.num_replicas, info.cluster.leader
+
+    async def fetch(prefer: str):
+        async with open_bus(loopback_cluster.credentials(prefer=prefer)) as bus:
+            return await fetch_version(bus, bucket, 1, tmp_path / "fetched" / "v1")
+
+    replicas, leader = trio.run(put)
+    assert replicas == 3
+    loopback_cluster.stop_node(leader, kill=True)
+    fetched = trio.run(fetch, next(n for n in loopback_cluster.names if n != leader))
+    assert (fetched.path / "model.safetensors").read_bytes() == \
+        (model / "model.safetensors").read_bytes()
 
 
 def test_killing_the_node_under_the_actors_fails_them_over_without_loss(
