@@ -38,11 +38,14 @@ def test_packing_error_stays_within_each_formats_rounding():
 
 
 @pytest.mark.parametrize("fmt", ["int8", "bfloat16"])
-@pytest.mark.parametrize("rows", [1, 3, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 2 * GEMV_MAX_ROWS + 8,
-                                  GEMV_CHUNKED_MAX_ROWS, GEMV_CHUNKED_MAX_ROWS + 1])
+# rows: past GEMV_MAX_ROWS the kernels run in chunks; 3 and 6 end past the kernel's last
+# whole tile of activation rows
+@pytest.mark.parametrize("rows", [1, 3, 6, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1,
+                                  2 * GEMV_MAX_ROWS + 8, GEMV_CHUNKED_MAX_ROWS,
+                                  GEMV_CHUNKED_MAX_ROWS + 1])
 def test_the_tvm_products_equal_torch_on_the_same_packed_weights(fmt, rows):
     gen = torch.Generator().manual_seed(rows)
-    w = pack(torch.randn(258, 704, generator=gen), fmt)  # 258: two rows past the blocks of 4
+    w = pack(torch.randn(258, 704, generator=gen), fmt)
     x = torch.randn(rows, 704, generator=gen)
     bias, base = torch.randn(258, generator=gen), torch.randn(rows, 258, generator=gen)
     widened = w.dequantize() if fmt == "int8" else w.float()
