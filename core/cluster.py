@@ -244,12 +244,16 @@ async def publish_run_settings(bus: Any, run: str, settings: RunSettings, host: 
 
 async def published_run_settings(bus: Any, run: str) -> RunSettings | None:
     """The settings `reinforge up` stored for `run` (the newest), or None."""
-    from reinforge.core.messages import RunSettingsPublished, decode
+    from reinforge.core.messages import MessageError, RunSettingsPublished, decode
 
     last = await bus.last_message(subjects.stream_name(run), subjects.settings(run))
     if last is None:
         return None
-    msg = decode(last.data)
+    try:
+        msg = decode(last.data)
+    except MessageError as exc:
+        raise cfg.ConfigError(f"the settings stored for run {run!r} are unreadable: {exc}"
+                              ) from None
     if not isinstance(msg, RunSettingsPublished):
         raise cfg.ConfigError(f"{subjects.settings(run)} holds a {type(msg).__name__}, not the "
                               "run's settings")

@@ -145,3 +145,28 @@ def test_an_attach_on_another_machine_joins_the_settings_up_stored_in_the_stream
     learner = actor_in_run(joined, ActorSpec(spec=LEARNER, config={"model": "m"}))
     assert (learner.config["group_size"], learner.config["max_staleness"]) == (4, 3)
     assert not (tmp_path / "another-machine").exists()  # nothing read from, or written to, disk
+
+
+@pytest.mark.nats
+def test_settings_stored_in_a_bad_shape_are_a_clear_error(creds, run_name):
+    import trio
+    from reinforge.core import messages as m
+    from reinforge.core import subjects
+    from reinforge.core.bus import open_bus
+    from reinforge.core.cluster import published_run_settings
+
+    async def read_after(data: bytes, msg_id: str):
+        async with open_bus(creds) as bus:
+            await bus.ensure_run_stream(run_name)
+            await bus.publish_durable_raw(subjects.settings(run_name), data, msg_id=msg_id)
+            with pytest.raises(ConfigError) as err:
+                await published_run_settings(bus, run_name)
+            return str(err.value)
+
+    garbage = trio.run(read_after, b"\xff not msgpack", "garbage")
+    assert f"the settings stored for run {run_name!r} are unreadable" in garbage
+    wrong = trio.run(read_after, m.encode(m.Stop(reason="x")), "stop")
+    assert "holds a Stop, not the run's settings" in wrong
+    bad_field = trio.run(read_after, m.encode(m.RunSettingsPublished(
+        settings={"group_size": "many"})), "bad-field")
+    assert "are unreadable" in bad_field and "group_size" in bad_field
