@@ -638,6 +638,17 @@ async def publish(bus, run, scored, prefix="scored"):
                                   msg_id=f"{prefix}:{s.rollout.rollout_id}")
 
 
+async def learner_until(bus, creds, run, cfg, version):
+    """Run a learner until it has published `version`, then stop it; that WeightsPublished."""
+    stream = await bus.ensure_run_stream(run)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(functools.partial(run_actor, Learner, creds=creds, run=run,
+                                              config=cfg))
+        w = await wait_for_version(bus, stream, run, version)
+        nursery.cancel_scope.cancel()
+    return w
+
+
 async def wait_for_version(bus, stream, run, version, timeout_s=120.0):
     with trio.fail_after(timeout_s):
         while True:
@@ -728,26 +739,18 @@ def test_a_restarted_learner_resumes_and_skips_what_its_checkpoint_consumed(
     group_c = synthetic_group("c", [0.0, 1.0, 0.0, 0.0], version=0)  # stale at version 1
     stats: list = []
 
-    async def run_learner_until(bus, stream, version):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(functools.partial(run_actor, Learner, creds=creds,
-                                                  run=run_name, config=cfg))
-            w = await wait_for_version(bus, stream, run_name, version)
-            nursery.cancel_scope.cancel()
-        return w
-
     async def main():
         async with open_bus(creds) as bus:
             stream = await bus.ensure_run_stream(run_name)
             async with trio.open_nursery() as nursery:
                 await nursery.start(collect_stats, bus, run_name, stats)
                 await publish(bus, run_name, group_a)
-                w1 = await run_learner_until(bus, stream, 1)
+                w1 = await learner_until(bus, creds, run_name, cfg, 1)
                 # as if the server redelivered group a after the crash, plus new work
                 await publish(bus, run_name, group_a, prefix="redelivered")
                 await publish(bus, run_name, group_c)
                 await publish(bus, run_name, group_b)
-                w2 = await run_learner_until(bus, stream, 2)
+                w2 = await learner_until(bus, creds, run_name, cfg, 2)
                 with trio.fail_after(10):
                     while len(stats) < 2:
                         await trio.sleep(0.1)
@@ -784,21 +787,14 @@ def test_checkpoints_after_a_restart_keep_the_tokenizer_once_the_resumed_one_is_
                       max_staleness=5)
     groups = [synthetic_group(t, [1.0, 0.0, 0.0, 1.0], version=0) for t in "abcd"]
 
-    async def run_learner(bus, stream, todo, until):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(functools.partial(run_actor, Learner, creds=creds,
-                                                  run=run_name, config=cfg))
-            for g in todo:
-                await publish(bus, run_name, g)
-            w = await wait_for_version(bus, stream, run_name, until)
-            nursery.cancel_scope.cancel()
-        return w
-
     async def main():
         async with open_bus(creds) as bus:
-            stream = await bus.ensure_run_stream(run_name)
-            await run_learner(bus, stream, groups[:1], 1)
-            return await run_learner(bus, stream, groups[1:], 4)  # resumes from v1
+            await bus.ensure_run_stream(run_name)
+            await publish(bus, run_name, groups[0])
+            await learner_until(bus, creds, run_name, cfg, 1)
+            for g in groups[1:]:
+                await publish(bus, run_name, g)
+            return await learner_until(bus, creds, run_name, cfg, 4)  # resumes from v1
 
     last = trio.run(main)
     kept = ckpt.list_checkpoints(tmp_path / "ckpt")
