@@ -7,8 +7,10 @@ in-process (no HTTP) with its default int8 KV cache; transformers runs one padde
 
 Also measured: KV bytes per token (int8 vs float32 cache), and greedy agreement with
 transformers' greedy `generate` (per prompt, unpadded): the fraction of generated tokens equal
-up to the first divergence, for a float32 cache (`greedy_match_fp`) and int8 (`greedy_match_int8`),
-plus the largest logprob error over agreeing tokens.
+up to the first divergence, for the headline engine's weights (`--weight-dtype`) with a
+float32 cache (`greedy_match_fp`) and with its int8 cache (`greedy_match_int8`), plus the
+largest logprob error over agreeing tokens. `--weight-dtype lossless` keeps a GGUF import's
+Q4_1/Q8_0 blocks as they are (the same float32 values transformers computes with).
 
 Prefix-heavy lines (`prefix_cache`), each run with the prefix cache on and off on one int8
 engine, interleaved, median of the repeats:
@@ -374,9 +376,9 @@ def main() -> int:
         "--repeats", type=int, default=3, help="timed runs of each side (median reported)"
     )
     ap.add_argument("--kernel-backend", default="auto")
-    ap.add_argument("--weight-dtype", choices=["float32", "bfloat16", "int8"], default="float32",
-                    help="the engine's weights in the headline comparison (transformers keeps "
-                         "float32; the greedy agreement with a float cache uses float32 weights)")
+    ap.add_argument("--weight-dtype", choices=["float32", "bfloat16", "int8", "lossless"],
+                    default="float32", help="the engine's weights in the headline comparison and the greedy agreement "
+                         "(transformers keeps float32)")
     ap.add_argument("--long-prompt-tokens", type=int, default=16384)
     ap.add_argument("--only", choices=["roofline", "speedup"], default=None,
                     help="run only this line (and print it as the JSON object)")
@@ -469,8 +471,8 @@ def main() -> int:
             f"({total_new / hf_dt:.0f} tok/s), ratio {hf_dt / dt:.2f}"
         )
 
-    fp_engine = Engine(model, EngineConfig(kv_cache_dtype="float32", max_total_tokens=capacity,
-                                           prefix_cache=False))
+    fp_engine = Engine(headline_model, EngineConfig(kv_cache_dtype="float32",
+                                                    max_total_tokens=capacity, prefix_cache=False))
     lines: dict = {}
     if args.only != "speedup":
         lines["prefix_cache"] = prefix_lines(model, prompts, args.repeats, args.kernel_backend,

@@ -9,14 +9,17 @@ index). Dynamic-NTK rope is computed at its base length (no per-length re-scalin
 
 from __future__ import annotations
 
+import collections
 import json
+import logging
 from pathlib import Path
 
 import torch
-from reinforge.engine.linear import Linear, Weight, check_format, pack
+from reinforge.engine.linear import BlockWeight, Linear, Weight, check_format, pack
 from reinforge.engine.model import LayerWeights, Model, ModelConfig, Rope, Weights
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+log = logging.getLogger(__name__)
 
 
 def _read_json(path: Path) -> dict:
@@ -193,10 +196,15 @@ def weights_from_state_dict(
             f"{where}: {len(unused)} tensors are not used by a {c.model_type} model, "
             f"e.g. {unused[:3]}"
         )
-    return Weights(  # a tied LM head in another format is a packed copy of the embedding
+    weights = Weights(  # a tied LM head in another format is a packed copy of the embedding
         embed_tokens=embed, layers=layers, final_norm=final_norm, lm_head=packed(lm_head),
         weight_format=weight_format,
     )
+    if weight_format == "lossless":
+        kinds = collections.Counter(m.kind if isinstance(m, BlockWeight) else "float32"
+                                    for m in weights.matrices())
+        log.info("%s: lossless weights, matrices by form: %s", where, dict(sorted(kinds.items())))
+    return weights
 
 
 def load_weights(model_dir: str | Path, config: ModelConfig,

@@ -15,7 +15,8 @@ Two forward paths share the per-layer maths:
 Invariant: both paths compute in float32 (bf16 checkpoints are upcast on load), so greedy
 outputs and logprobs can be compared with transformers' float32 forward. The one exception
 is opt-in: the projections' weights may be served in bfloat16 or int8 (`linear.py`,
-`--weight-dtype`); their products are still returned in float32.
+`--weight-dtype`); their products are still returned in float32. (`lossless` weights are the
+checkpoint's float32 values in the block form they came in: not an exception.)
 """
 
 from __future__ import annotations
@@ -89,6 +90,11 @@ class Weights:
     """Same tensor object as `embed_tokens` when embeddings are tied (and float32)."""
     weight_format: str = "float32"
     """How the projections and the LM head are stored (`linear.WEIGHT_FORMATS`)."""
+
+    def matrices(self) -> list[Weight]:
+        """The LM head and every projection: what a decode step multiplies by."""
+        return [self.lm_head] + [m for layer in self.layers for m in (
+            layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
 
 
 @dataclass
@@ -296,6 +302,4 @@ def describe(config: ModelConfig, weights: Weights) -> dict[str, Any]:
 def decode_weight_bytes(weights: Weights) -> int:
     """Bytes one decode step reads of the weights (the projections and the LM head; the
     embedding rows looked up are negligible): batch-1 decode's roofline denominator."""
-    mats = [weights.lm_head] + [m for layer in weights.layers for m in (
-        layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
-    return sum(nbytes(m) for m in mats)
+    return sum(nbytes(m) for m in weights.matrices())

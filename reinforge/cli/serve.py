@@ -23,10 +23,11 @@ def register(subparsers: Any) -> None:
     serve.add_argument(
         "--weight-dtype",
         default="float32",
-        choices=["float32", "bfloat16", "int8"],
+        choices=["float32", "bfloat16", "int8", "lossless"],
         help="how the projections' weights are served: float32 (exactly the checkpoint), "
         "bfloat16 or int8 weight-only (half or a quarter of the bytes each decode step "
-        "reads; their logprob error is the learner's to correct)",
+        "reads; their logprob error is the learner's to correct), or lossless: a GGUF "
+        "import's Q4_1/Q8_0 blocks kept as they are, every other matrix float32",
     )
     serve.add_argument(
         "--kernel-backend",

@@ -1,18 +1,22 @@
-"""Weights served in bfloat16 or int8: packing error bounds, the TVM products against torch
-on the same packed weights (every row count, both sides of the kernel's row limits), and the
-tiny policy served from packed weights against the float32 one."""
+"""Weights served in bfloat16, int8 or lossless blocks: packing error bounds, the blocks
+found exactly in what GGUF's quantizers give, the TVM products against torch on the same
+packed weights (every row count, both sides of the kernel's row limits), and the tiny policy
+served from packed weights against the float32 one."""
 
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
 from reinforge.engine.engine import Engine, EngineConfig
 from reinforge.engine.linear import (
     GEMV_CHUNKED_MAX_ROWS,
     GEMV_MAX_ROWS,
+    BlockWeight,
     Int8Weight,
     Linear,
     check_format,
+    find_blocks,
     nbytes,
     pack,
 )
@@ -37,22 +41,57 @@ def test_packing_error_stays_within_each_formats_rounding():
         check_format("fp8")
 
 
-@pytest.mark.parametrize("fmt", ["int8", "bfloat16"])
-# rows: past GEMV_MAX_ROWS the kernels run in chunks; 3 and 6 end past the kernel's last
-# whole tile of activation rows
-@pytest.mark.parametrize("rows", [1, 3, 6, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1,
+def gguf_roundtrip(w: torch.Tensor, quant: str) -> torch.Tensor:
+    """`w` as llama.cpp's quantizer keeps it (the gguf package's reference), back in float32."""
+    qtype = getattr(gguf.GGMLQuantizationType, quant)
+    return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), qtype),
+                                                   qtype).copy())
+
+
+@pytest.mark.parametrize("quant, kind, bytes_per_weight", [("Q4_1", "q4", 0.75),
+                                                            ("Q8_0", "q8", 1.25)])
+def test_lossless_packing_finds_gguf_blocks_and_gives_back_every_bit(quant, kind,
+                                                                     bytes_per_weight):
+    gen = torch.Generator().manual_seed(1)
+    w = gguf_roundtrip(torch.randn(48, 256, generator=gen) * 0.05, quant)
+    packed = pack(w, "lossless")
+    assert isinstance(packed, BlockWeight) and packed.kind == kind
+    assert packed.shape == w.shape and packed.numel() == w.numel()
+    assert torch.equal(packed.dequantize(), w)
+    assert nbytes(packed) == w.numel() * bytes_per_weight
+
+
+def test_lossless_packing_keeps_anything_else_in_float32():
+    gen = torch.Generator().manual_seed(2)
+    trained = torch.randn(48, 256, generator=gen)
+    assert pack(trained, "lossless") is trained
+    # one weight moved off its block's levels (a step of training) past the first rows
+    w = gguf_roundtrip(torch.randn(48, 256, generator=gen), "Q4_1")
+    w[40, 7] += 1e-3
+    assert find_blocks(w) is None and pack(w, "lossless") is w
+    # other GGUF quantizations, and rows that are not whole blocks
+    assert find_blocks(gguf_roundtrip(torch.randn(16, 256, generator=gen), "Q5_1")) is None
+    assert find_blocks(torch.zeros(4, 48)) is None
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bfloat16", "Q4_1", "Q8_0"])
+# rows: past GEMV_MAX_ROWS the kernels run in chunks; 3, 6 and 13 end past the kernel's last
+# whole tile of activation rows (13: a tile of 8, one of 4 and a row, in the block formats)
+@pytest.mark.parametrize("rows", [1, 3, 6, 13, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1,
                                   2 * GEMV_MAX_ROWS + 8, GEMV_CHUNKED_MAX_ROWS,
                                   GEMV_CHUNKED_MAX_ROWS + 1])
 def test_the_tvm_products_equal_torch_on_the_same_packed_weights(fmt, rows):
     gen = torch.Generator().manual_seed(rows)
-    w = pack(torch.randn(258, 704, generator=gen), fmt)
+    w = torch.randn(258, 704, generator=gen)
+    w = pack(gguf_roundtrip(w, fmt), "lossless") if fmt.startswith("Q") else pack(w, fmt)
+    assert fmt != "Q4_1" or w.kind == "q4"
     x = torch.randn(rows, 704, generator=gen)
     bias, base = torch.randn(258, generator=gen), torch.randn(rows, 258, generator=gen)
-    widened = w.dequantize() if fmt == "int8" else w.float()
+    widened = w.float() if fmt == "bfloat16" else w.dequantize()
     tvm, ref = Linear("tvm"), Linear("torch")
     # Through the kernels (in chunks past GEMV_MAX_ROWS) x stays float32; bf16 prefill rounds
     # x too (a bf16 GEMM).
-    exact = fmt == "int8" or rows <= GEMV_CHUNKED_MAX_ROWS
+    exact = fmt != "bfloat16" or rows <= GEMV_CHUNKED_MAX_ROWS
     for a, b in ((tvm(x, w, bias), x @ widened.t() + bias),
                  (tvm.add(base, x, w), base + x @ widened.t())):
         assert a.dtype == torch.float32 and a.shape == (rows, 258)
@@ -94,3 +133,25 @@ def test_the_policy_served_from_packed_weights_stays_close_to_float32(
         errors.append((a[pos, tokens] - b[pos, tokens]).abs().max())
         assert len(got[i].output_ids) == len(ref[i].output_ids) == 12
     assert 0.0 < float(max(errors)) < max_error
+
+
+def test_a_q4_1_gguf_import_served_lossless_decodes_as_its_float32_weights(
+        tiny_model_dir, prompts, tmp_path):
+    from gguf_helpers import write_gguf
+    from reinforge.engine.importer import import_gguf
+
+    import_gguf(write_gguf(tiny_model_dir, tmp_path / "tiny-q4_1.gguf", quant="Q4_1"),
+                tmp_path / "imported")
+    fp32 = load_model(tmp_path / "imported")
+    blocks = load_model(tmp_path / "imported", "lossless")
+    assert {m.kind for m in blocks.weights.matrices()} == {"q4"}  # the head too (tied)
+    assert decode_weight_bytes(blocks.weights) == decode_weight_bytes(fp32.weights) * 0.75 / 4
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=16)
+    config = EngineConfig(kv_cache_dtype="float32", max_total_tokens=4096)
+    ref = run_engine(Engine(fp32, config), prompts, greedy)
+    got = run_engine(Engine(blocks, config), prompts, greedy)
+    for i in range(len(prompts)):
+        a, b = ref[i], got[i]
+        assert a.output_ids == b.output_ids and len(a.output_ids) == 16
+        # the same float32 weights, summed in another order
+        assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)) < 1e-4
