@@ -275,7 +275,7 @@ class Trainer:
             raise ValueError("train_step needs at least one sample")
         t0 = time.perf_counter()
         steps = cfg.ppo_epochs * cfg.minibatches
-        proximal = self.logprobs(samples) if steps > 1 and cfg.tis_cap > 0 else None
+        proximal = self._proximal_logprobs(samples) if steps > 1 and cfg.tis_cap > 0 else None
         shuffle = torch.Generator().manual_seed(cfg.seed * 1_000_003 + version)
         per_step: list[dict[str, float]] = []
         gaps: list[torch.Tensor] = []
@@ -335,6 +335,13 @@ class Trainer:
                 for i, s in enumerate(mb):
                     out[index[id(s)]] = logp[i, : len(s.output_ids)].cpu()
         return out
+
+    def _proximal_logprobs(self, samples: list[Any]) -> list[torch.Tensor]:
+        """`logprobs(samples)` before a batch's first step. Replicas each compute their share
+        and gather the rest: every one needs them all, as later steps reshuffle the batch."""
+        if self.replica is None:
+            return self.logprobs(samples)
+        return self.replica.gather(self.logprobs(self.replica.share(samples)))
 
     def _optimizer_step(self, samples: list[Any], proximal: list[torch.Tensor] | None,
                         version: int, gaps: list[torch.Tensor] | None) -> dict[str, float]:

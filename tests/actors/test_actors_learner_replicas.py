@@ -53,9 +53,12 @@ def test_two_replicas_sum_to_the_gradient_one_replica_has_on_the_whole_batch(
                for a, b in zip(alone.grads, together.grads, strict=True))
 
 
-@pytest.mark.parametrize("steps", [{}, {"ppo_epochs": 2, "minibatches": 2, "tis_cap": 2.0}])
+# With several steps and TIS, the logprobs before a batch's first step: each replica
+# computes those of its half of the 12 samples (once a version) and gathers the rest.
+@pytest.mark.parametrize("steps, proximal_rows", [
+    ({}, []), ({"ppo_epochs": 2, "minibatches": 2, "tis_cap": 2.0}, [6, 6])])
 def test_two_replicas_make_the_update_one_replica_makes_on_the_same_batch(
-        tiny_model_dir, tmp_path, steps):
+        tiny_model_dir, tmp_path, steps, proximal_rows):
     """The same policy after two versions' steps (its logprobs; a parameter whose gradient
     is rounding noise, a key bias, moves by Adam's step either way), the same figures, and
     the replicas' weights equal to the bit."""
@@ -64,14 +67,19 @@ def test_two_replicas_make_the_update_one_replica_makes_on_the_same_batch(
     one = Trainer(cfg, tiny_model_dir)
     alone = [one.train_step(samples, version=v) for v in range(2)]
     group = ReplicaGroup(cfg, tiny_model_dir, replicas=2)
+    rows: list[int] = []
+    logprobs = group.trainer.logprobs
+    group.trainer.logprobs = lambda part: rows.append(len(part)) or logprobs(part)
     try:
         together = [group.train_step(samples, version=v) for v in range(2)]
+        group.trainer.logprobs = logprobs
         digests = group.weight_digests()
         policy = group.logprobs(samples)
         moved = weights_digest(group.model) != weights_digest(Trainer(cfg, tiny_model_dir).model)
     finally:
         group.close()
     assert [w.returncode for w in group.workers] == [0]
+    assert len(samples) == 12 and rows == proximal_rows
     assert digests[0] == digests[1] and moved
     assert all(torch.allclose(a, b, atol=1e-5)
                for a, b in zip(one.logprobs(samples), policy, strict=True))
