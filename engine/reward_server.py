@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from reinforge.engine.server import _contract_error, health  # the API's shapes, one place
+from reinforge.engine.server import contract_error, health  # the API's shapes, one place
 
 
 class ClassifyRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
@@ -131,9 +131,9 @@ async def classify(request: Request) -> Response:
     try:
         req = msgspec.json.decode(await request.body(), type=ClassifyRequest)
     except msgspec.DecodeError as exc:  # ValidationError included
-        return _contract_error(str(exc))
+        return contract_error(str(exc))
     if (req.text is None) == (req.input_ids is None):
-        return _contract_error("give exactly one of `text` and `input_ids`")
+        return contract_error("give exactly one of `text` and `input_ids`")
     if req.text is not None:
         batched = isinstance(req.text, list)
         texts = req.text if batched else [req.text]
@@ -141,19 +141,19 @@ async def classify(request: Request) -> Response:
     else:
         batched = bool(req.input_ids) and isinstance(req.input_ids[0], list)
         if any(isinstance(x, list) != batched for x in req.input_ids):
-            return _contract_error("`input_ids` is one sequence of ints or a list of them, "
+            return contract_error("`input_ids` is one sequence of ints or a list of them, "
                                    "not a mix")
         seqs = req.input_ids if batched else [req.input_ids]
     if not seqs:
-        return _contract_error("nothing to score: the list is empty")
+        return contract_error("nothing to score: the list is empty")
     for k, ids in enumerate(seqs):
         if not ids:
-            return _contract_error(f"sequence {k} is empty")
+            return contract_error(f"sequence {k} is empty")
         if len(ids) > state.context_length:
-            return _contract_error(f"sequence {k} has {len(ids)} tokens, more than the "
+            return contract_error(f"sequence {k} has {len(ids)} tokens, more than the "
                                    f"model's context length {state.context_length}")
         if min(ids) < 0 or max(ids) >= state.batcher.model.config.vocab_size:
-            return _contract_error(f"sequence {k} has a token id outside the vocabulary")
+            return contract_error(f"sequence {k} has a token id outside the vocabulary")
     try:
         got = await state.batcher.score([list(s) for s in seqs])
     except Exception as exc:

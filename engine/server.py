@@ -85,7 +85,9 @@ def _error(message: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
 
 
-def _contract_error(message: str) -> JSONResponse:
+def contract_error(message: str) -> JSONResponse:
+    """A 400 in the shape SGLang gives a request its contract refuses (the reward server's
+    too)."""
     return JSONResponse({"error": message}, status_code=400)
 
 
@@ -275,7 +277,7 @@ async def generate(request: Request) -> Response:
     try:
         req = decode(await request.body(), GenerateRequest)
     except msgspec.DecodeError as exc:
-        return _contract_error(str(exc))
+        return contract_error(str(exc))
     await state.paused.wait()
     try:
         job = GenerateJob(state, req)
@@ -463,7 +465,7 @@ async def abort_request(request: Request) -> Response:
     try:
         req = decode(await request.body(), AbortRequest)
     except msgspec.DecodeError as exc:
-        return _contract_error(str(exc))
+        return contract_error(str(exc))
     state.engine.abort(req.rid, req.abort_all)
     return Response(status_code=200)
 
@@ -511,7 +513,7 @@ async def pause_generation(request: Request) -> Response:
     try:
         req = decode(await request.body(), PauseRequest)
     except msgspec.DecodeError as exc:
-        return _contract_error(str(exc))
+        return contract_error(str(exc))
     if req.mode != "abort":
         return _error(
             f"pause_generation mode {req.mode!r} is not supported by the embedded server "
