@@ -110,7 +110,8 @@ def pack(w: torch.Tensor, fmt: str) -> Weight:
     if fmt == "bfloat16":
         return w.to(torch.bfloat16).contiguous()
     if fmt == "lossless":
-        return find_blocks(w) or w
+        blocks = find_blocks(w)
+        return w if blocks is None else blocks
     scale = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
     data = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
     return Int8Weight(data=data, scale=scale.contiguous())
@@ -193,8 +194,7 @@ class Linear:
     `kernels/tvm_gemv.py` (compiled for this CPU per input width, cached on disk) for up to
     GEMV_MAX_ROWS rows, in chunks of that many up to GEMV_CHUNKED_MAX_ROWS; a torch GEMM
     otherwise (over the weight widened by the dequant kernel), and torch alone for every row
-    count when the kernels cannot be built (`path` says which: "tvm-gemv"
-    or "torch")."""
+    count when the kernels cannot be built (`path` says which: "tvm-gemv" or "torch")."""
 
     def __init__(self, backend: str = "auto") -> None:
         if backend not in ("auto", "torch", "tvm"):
