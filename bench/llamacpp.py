@@ -4,7 +4,9 @@ llama.cpp (through llama-cpp-python's low-level API: one context, one batch of e
 sequence per `llama_decode`, greedy by argmax of its logits) runs the GGUF file as it is,
 in its own weight format (a Q4_1 file reads about 4.5 bits a weight); the engine runs the
 Hugging Face folder `reinforge model import` made from that file, with its weights in
-float32 and in int8 (`--weight-dtype`), and its default int8 KV cache. Both sides: the same
+float32, in int8, and lossless (the file's own Q4_1/Q8_0 blocks, found in the folder's
+float32 values: the bits llama.cpp reads) (`--weight-dtypes`), and its default int8 KV
+cache. Both sides: the same
 prompts (math tasks in the model's chat template), the same number of new tokens (EOS
 ignored), greedy, every CPU thread the engine uses, the prompt's prefill included in the
 time. Batches of 1, 8 and 32 concurrent sequences, interleaved repeats, medians.
@@ -123,6 +125,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--weight-dtypes", default="float32,int8,lossless",
+                    help="the engine's weight formats, one side each")
     ap.add_argument("--json", action="store_true", help="print only the JSON line")
     args = ap.parse_args()
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
@@ -144,7 +148,7 @@ def main() -> int:
     n_ctx = sum(map(len, prompts)) + max(batches) * (args.new_tokens + 1)
     cpp = LlamaCpp(Path(args.gguf), max(batches), n_ctx, threads)
     sides = {"llama.cpp": lambda ps: cpp.generate(ps, args.new_tokens)}
-    for fmt in ("float32", "int8"):
+    for fmt in args.weight_dtypes.split(","):
         engine = Engine(load_model(args.model, fmt),
                         EngineConfig(max_total_tokens=2 * n_ctx, prefix_cache=False))
         sides[f"engine-{fmt}"] = (lambda e: lambda ps: engine_generate(e, ps, args.new_tokens)
