@@ -377,8 +377,9 @@ def main() -> int:
     )
     ap.add_argument("--kernel-backend", default="auto")
     ap.add_argument("--weight-dtype", choices=["float32", "bfloat16", "int8", "lossless"],
-                    default="float32", help="the engine's weights in the headline comparison and the greedy agreement "
-                         "(transformers keeps float32)")
+                    default="float32",
+                    help="the engine's weights in the headline comparison and the greedy "
+                         "agreement (transformers keeps float32)")
     ap.add_argument("--long-prompt-tokens", type=int, default=16384)
     ap.add_argument("--only", choices=["roofline", "speedup"], default=None,
                     help="run only this line (and print it as the JSON object)")
