@@ -84,7 +84,6 @@ def test_the_tvm_products_equal_torch_on_the_same_packed_weights(fmt, rows):
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(258, 704, generator=gen)
     w = pack(gguf_roundtrip(w, fmt), "lossless") if fmt.startswith("Q") else pack(w, fmt)
-    assert fmt != "Q4_1" or w.kind == "q4"
     x = torch.randn(rows, 704, generator=gen)
     bias, base = torch.randn(258, generator=gen), torch.randn(rows, 258, generator=gen)
     widened = w.float() if fmt == "bfloat16" else w.dequantize()
