@@ -13,6 +13,7 @@ when it matches, the work is skipped and the existing checkpoint is reused.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -25,6 +26,12 @@ from reinforge.envs.tools import Tool, TranscriptTurn, decode_transcript
 from reinforge.rl.episodes import domain_tools
 from reinforge.rl.evalsets import HeldOutConfig, build_heldout, fingerprint, heldout_fingerprints
 from reinforge.rl.prompts import observation_ids, task_prompt_ids
+
+log = logging.getLogger(__name__)
+
+TIER_GIVES_UP_AFTER = 200
+"""Draws in a row without a usable reference after which a (domain, tier) is left out of
+the demonstrations: its few distinct tasks are all held out (terminal's tier 2 has three)."""
 
 SFT_FORMAT = "reinforge-sft/2"  # 2: prompts through the chat template, as RL sees them
 # The fields that choose the demonstrations; the demonstrations are hashed instead.
@@ -64,7 +71,8 @@ class Demo(msgspec.Struct, frozen=True):
 def demos_from_domains(domains: tuple[str, ...], tiers: tuple[int, ...], n: int,
                        seed: int, heldout: HeldOutConfig | None = None) -> list[Demo]:
     """`n` demonstrations cycling over domains and tiers, from each task's reference; none
-    of a task in the `heldout` sets."""
+    of a task in the `heldout` sets. A tier whose tasks are all held out is left out; a
+    domain with no tier left is an error."""
     from reinforge.envs.domain import DomainRegistry
 
     registry = DomainRegistry.default()
@@ -79,16 +87,23 @@ def demos_from_domains(domains: tuple[str, ...], tiers: tuple[int, ...], n: int,
         usable = [t for t in tiers if 0 <= t < len(domain.tiers)] or [0]
         combos += [(domain, t) for t in usable]
     held = heldout_fingerprints(build_heldout(registry, domains, heldout)) if heldout else {}
-    attempts = 0
+    misses = 0  # draws in a row without a usable reference
     while len(out) < n:
         domain, tier = combos[len(out) % len(combos)]
         task = domain.sample_task(rng, tier)
-        attempts += 1
         if task.reference and fingerprint(task.prompt) not in held.get(domain.name, ()):
             out.append(Demo(task.prompt, task.reference, list(domain_tools(domain))))
-        elif attempts > 10 * n:
-            raise ValueError(f"sft: domain {domain.name!r} gives no reference completions "
-                             "outside its held-out set")
+            misses = 0
+            continue
+        misses += 1
+        if misses >= TIER_GIVES_UP_AFTER:
+            combos.remove((domain, tier))
+            misses = 0
+            if not any(d is domain for d, _ in combos):
+                raise ValueError(f"sft: domain {domain.name!r} gives no reference completions "
+                                 "outside its held-out set")
+            log.info("sft: %s tier %d left out: none of its tasks outside the held-out set "
+                     "has a reference", domain.name, tier)
     return out
 
 

@@ -49,6 +49,26 @@ def test_demonstrations_leave_out_the_tasks_of_the_held_out_sets():
     assert len(kept) == 384 and not held & {fingerprint(d.prompt) for d in kept}
 
 
+def test_a_tier_whose_tasks_are_all_held_out_is_left_out_of_the_demonstrations():
+    # terminal's tier-1 prompts name its files, not their contents: every one of them is in
+    # a held-out set of 5 tasks a tier. A warm start over tiers 0-2 (a pretrained model's)
+    # shows tiers 0 and 2; tier 1 alone has nothing to show.
+    from reinforge.envs.domain import DomainRegistry
+    from reinforge.rl.evalsets import HeldOutConfig, build_heldout, fingerprint
+
+    heldout = HeldOutConfig(tasks_per_tier=5)
+    held = {fingerprint(t.prompt)
+            for t in build_heldout(DomainRegistry.default(), ["terminal"], heldout)["terminal"]}
+    tier1 = {fingerprint(d.prompt) for d in demos_from_domains(("terminal",), (1,), 40, seed=0)}
+    assert tier1 and tier1 <= held
+    demos = demos_from_domains(("terminal",), (0, 1, 2), 48, seed=0, heldout=heldout)
+    shown = {fingerprint(d.prompt) for d in demos}
+    assert len(demos) == 48 and not shown & held
+    assert any("has a bug" in d.prompt for d in demos)  # tier 2
+    with pytest.raises(ValueError, match="'terminal' gives no reference completions outside"):
+        demos_from_domains(("terminal",), (1,), 4, seed=0, heldout=heldout)
+
+
 def test_a_bad_jsonl_row_is_refused_with_its_line_number(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt": "a", "response": "b"}\n\n{"prompt": "c"}\n')
