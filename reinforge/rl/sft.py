@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 TIER_GIVES_UP_AFTER = 200
 """Draws in a row without a usable reference after which a (domain, tier) is left out of
-the demonstrations: its few distinct tasks are all held out (terminal's tier 2 has three)."""
+the demonstrations: its few distinct tasks are all held out (terminal's tier-1 prompts name
+their files, not the files' contents: a handful of prompts, all in a held-out set of 5)."""
 
 SFT_FORMAT = "reinforge-sft/2"  # 2: prompts through the chat template, as RL sees them
 # The fields that choose the demonstrations; the demonstrations are hashed instead.
