@@ -1,5 +1,6 @@
 """GGUF files for the engine tests: the tiny policy written as llama.cpp's converter writes
-a Qwen2 model (its tensor names, its tokenizer metadata), and the logits of a folder."""
+a Qwen2 model (its tensor names, its tokenizer metadata), a matrix as a GGUF quantization
+keeps it, and the logits of a folder."""
 
 from __future__ import annotations
 
@@ -58,6 +59,14 @@ def write_gguf(model_dir: Path, path: Path, *, quant: str = "F32",
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def roundtrip(w: torch.Tensor, quant: str) -> torch.Tensor:
+    """`w` (float32) as llama.cpp's quantizer keeps it (the gguf package's reference of
+    `quant`, e.g. "Q8_0"), back in float32."""
+    qtype = getattr(gguf.GGMLQuantizationType, quant)
+    return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), qtype),
+                                                   qtype).copy())
 
 
 def logits(model_dir: Path, ids: list[int]) -> torch.Tensor:

@@ -5,7 +5,6 @@ served from packed weights against the float32 one."""
 
 from __future__ import annotations
 
-import gguf
 import pytest
 import torch
 from reinforge.engine.engine import Engine, EngineConfig
@@ -24,6 +23,7 @@ from reinforge.engine.loader import load_model
 from reinforge.engine.model import decode_weight_bytes
 from reinforge.engine.sampling import SamplingParams
 
+from gguf_helpers import roundtrip, write_gguf
 from test_engine_model import PROMPTS, run_engine
 
 
@@ -41,19 +41,12 @@ def test_packing_error_stays_within_each_formats_rounding():
         check_format("fp8")
 
 
-def gguf_roundtrip(w: torch.Tensor, quant: str) -> torch.Tensor:
-    """`w` as llama.cpp's quantizer keeps it (the gguf package's reference), back in float32."""
-    qtype = getattr(gguf.GGMLQuantizationType, quant)
-    return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), qtype),
-                                                   qtype).copy())
-
-
 @pytest.mark.parametrize("quant, kind, bytes_per_weight", [("Q4_1", "q4", 0.75),
                                                             ("Q8_0", "q8", 1.25)])
 def test_lossless_packing_finds_gguf_blocks_and_gives_back_every_bit(quant, kind,
                                                                      bytes_per_weight):
     gen = torch.Generator().manual_seed(1)
-    w = gguf_roundtrip(torch.randn(48, 256, generator=gen) * 0.05, quant)
+    w = roundtrip(torch.randn(48, 256, generator=gen) * 0.05, quant)
     packed = pack(w, "lossless")
     assert isinstance(packed, BlockWeight) and packed.kind == kind
     assert packed.shape == w.shape and packed.numel() == w.numel()
@@ -66,11 +59,11 @@ def test_lossless_packing_keeps_anything_else_in_float32():
     trained = torch.randn(48, 256, generator=gen)
     assert pack(trained, "lossless") is trained
     # one weight moved off its block's levels (a step of training) past the first rows
-    w = gguf_roundtrip(torch.randn(48, 256, generator=gen), "Q4_1")
+    w = roundtrip(torch.randn(48, 256, generator=gen), "Q4_1")
     w[40, 7] += 1e-3
     assert find_blocks(w) is None and pack(w, "lossless") is w
     # other GGUF quantizations, and rows that are not whole blocks
-    assert find_blocks(gguf_roundtrip(torch.randn(16, 256, generator=gen), "Q5_1")) is None
+    assert find_blocks(roundtrip(torch.randn(16, 256, generator=gen), "Q5_1")) is None
     assert find_blocks(torch.zeros(4, 48)) is None
 
 
@@ -83,7 +76,7 @@ def test_lossless_packing_keeps_anything_else_in_float32():
 def test_the_tvm_products_equal_torch_on_the_same_packed_weights(fmt, rows):
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(258, 704, generator=gen)
-    w = pack(gguf_roundtrip(w, fmt), "lossless") if fmt.startswith("Q") else pack(w, fmt)
+    w = pack(roundtrip(w, fmt), "lossless") if fmt.startswith("Q") else pack(w, fmt)
     x = torch.randn(rows, 704, generator=gen)
     bias, base = torch.randn(258, generator=gen), torch.randn(rows, 258, generator=gen)
     widened = w.float() if fmt == "bfloat16" else w.dequantize()
@@ -136,7 +129,6 @@ def test_the_policy_served_from_packed_weights_stays_close_to_float32(
 
 def test_a_q4_1_gguf_import_served_lossless_decodes_as_its_float32_weights(
         tiny_model_dir, prompts, tmp_path):
-    from gguf_helpers import write_gguf
     from reinforge.engine.importer import import_gguf
 
     import_gguf(write_gguf(tiny_model_dir, tmp_path / "tiny-q4_1.gguf", quant="Q4_1"),
