@@ -15,6 +15,7 @@ import logging
 from pathlib import Path
 
 import torch
+from reinforge.engine.layer_ops import LayerOps
 from reinforge.engine.linear import BlockWeight, Linear, Weight, check_format, pack
 from reinforge.engine.model import LayerWeights, Model, ModelConfig, Rope, Weights
 
@@ -217,7 +218,8 @@ def load_weights(model_dir: str | Path, config: ModelConfig,
 def load_model(model_dir: str | Path, weight_format: str = "float32", *,
                kernel_backend: str = "auto") -> Model:
     """Config, rope and weights of a Hugging Face-format directory, ready for the engine;
-    `kernel_backend` picks how packed weights are multiplied (`linear.Linear`)."""
+    `kernel_backend` picks how packed weights are multiplied (`linear.Linear`) and how
+    RMSNorm and RoPE run (`layer_ops.LayerOps`)."""
     config = load_config(model_dir)
     return Model(config, load_weights(model_dir, config, weight_format), load_rope(model_dir),
-                 Linear(kernel_backend))
+                 Linear(kernel_backend), LayerOps(kernel_backend))

@@ -4,6 +4,8 @@ RMSNorm, rotary position embeddings (with the rope scaling of the checkpoint's c
 grouped-query attention with optional q/k/v biases and optional per-head q/k RMSNorm
 (Qwen3), SwiGLU MLP, optionally tied embeddings.
 The weights are plain tensors (no nn.Module), so a weight swap is one attribute assignment.
+Products run through `linear.Linear`, RMSNorm and RoPE through `layer_ops.LayerOps` (TVM
+kernels where they fit, torch otherwise).
 
 Two forward paths share the per-layer maths:
   * `prefill_batch`: the new tokens of several sequences (whole prompts, or what follows a
@@ -30,6 +32,7 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
+from reinforge.engine.layer_ops import LayerOps, apply_rope
 from reinforge.engine.linear import Linear, Weight, nbytes
 
 
@@ -111,27 +114,16 @@ class Rope:
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim in float32 (one fused torch op; same maths as transformers)."""
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [N, H, D] by cos/sin [N, D] (the rotate-half form of Llama/Qwen2)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
 class Model:
     """The forward passes over `Weights`. Not thread-safe: one engine thread drives it."""
 
     def __init__(self, config: ModelConfig, weights: Weights, rope: Rope,
-                 linear: Linear | None = None) -> None:
+                 linear: Linear | None = None, ops: LayerOps | None = None) -> None:
         self.config = config
         self.weights = weights
         self.rope = rope
         self.linear = linear or Linear()
+        self.ops = ops or LayerOps()
         self.sm_scale = 1.0 / math.sqrt(config.head_dim)
 
     # ----------------------------------------------------------------- shared per-layer maths
@@ -139,19 +131,23 @@ class Model:
     def _qkv(
         self, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [N, Hq, D], k and v [N, Hkv, D], each contiguous; q and k rotated."""
         c = self.config
-        x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
+        x = self.ops.rms_norm(h, layer.input_norm, c.rms_norm_eps)
         qkv = self.linear(x, layer.qkv_proj, layer.qkv_bias)
+        if layer.q_norm is None:
+            return self.ops.rope_split(qkv, cos, sin, c.num_heads, c.num_kv_heads, c.head_dim)
+        # Qwen3: q and k are normalised per head before they are rotated
         q_size = c.num_heads * c.head_dim
         kv_size = c.num_kv_heads * c.head_dim
         n = qkv.shape[0]
         qk = qkv[:, : q_size + kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim)
-        if layer.q_norm is not None:
-            qk = torch.cat([rms_norm(qk[:, : c.num_heads], layer.q_norm, c.rms_norm_eps),
-                            rms_norm(qk[:, c.num_heads :], layer.k_norm, c.rms_norm_eps)], dim=1)
+        qk = torch.cat([self.ops.rms_norm(qk[:, : c.num_heads], layer.q_norm, c.rms_norm_eps),
+                        self.ops.rms_norm(qk[:, c.num_heads :], layer.k_norm, c.rms_norm_eps)],
+                       dim=1)
         qk = apply_rope(qk, cos, sin)
         v = qkv[:, q_size + kv_size :].reshape(n, c.num_kv_heads, c.head_dim)
-        return qk[:, : c.num_heads], qk[:, c.num_heads :], v
+        return qk[:, : c.num_heads].contiguous(), qk[:, c.num_heads :].contiguous(), v.contiguous()
 
     def _finish_layer(
         self, layer: LayerWeights, h: torch.Tensor, attn: torch.Tensor
@@ -160,7 +156,7 @@ class Model:
         c = self.config
         base = h if layer.o_bias is None else h + layer.o_bias
         h = self.linear.add(base, attn.reshape(h.shape[0], -1), layer.o_proj)
-        x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
+        x = self.ops.rms_norm(h, layer.post_norm, c.rms_norm_eps)
         gate_up = self.linear(x, layer.gate_up_proj)
         gate, up = gate_up.chunk(2, dim=-1)
         act = F.silu(gate, inplace=True).mul_(up)
@@ -169,7 +165,8 @@ class Model:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden [N, hidden] -> logits [N, vocab], float32."""
         w = self.weights
-        return self.linear(rms_norm(h, w.final_norm, self.config.rms_norm_eps), w.lm_head)
+        return self.linear(self.ops.rms_norm(h, w.final_norm, self.config.rms_norm_eps),
+                           w.lm_head)
 
     # ----------------------------------------------------------------------------- prefill
 
@@ -271,7 +268,7 @@ class Model:
         cos, sin = self.rope.cos_sin(positions)
         for i, layer in enumerate(self.weights.layers):
             q, k, v = self._qkv(layer, h, cos, sin)
-            attn = attend(i, q.contiguous(), k.contiguous(), v.contiguous())
+            attn = attend(i, q, k, v)
             h = self._finish_layer(layer, h, attn)
         return self.logits(h)
 

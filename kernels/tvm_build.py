@@ -27,7 +27,9 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "REINFORGE_KERNEL_CACHE"
-_SOURCE_MODULES = ("tvm_cpu.py", "tvm_cuda.py", "tvm_gemv.py", "tvm_build.py", "paged_kv.py")
+_SOURCE_MODULES = (
+    "tvm_cpu.py", "tvm_cuda.py", "tvm_gemv.py", "tvm_layer.py", "tvm_build.py", "paged_kv.py"
+)
 
 
 def default_cache_dir() -> Path:
