@@ -77,6 +77,8 @@ def token_logprobs(logits: torch.Tensor, temperatures: torch.Tensor | float) -> 
     """
     t = torch.as_tensor(temperatures, dtype=torch.float32, device=logits.device)
     t = torch.where(t < GREEDY_TEMPERATURE, torch.ones_like(t), t)
+    if bool((t == 1).all()):  # x / 1 is x: skip a pass over [..., V] (RL samples at T = 1)
+        return torch.log_softmax(logits.float(), dim=-1)
     return torch.log_softmax(logits.float() / t[..., None], dim=-1)
 
 
@@ -125,7 +127,7 @@ def sample_tokens(
         g = generators[row]
         if g is not None:
             u[i, 0] = torch.rand(1, generator=g)[0]
-    cdf = probs.cumsum(dim=-1)
+    cdf = probs.cumsum_(dim=-1)  # in place: one [rows, V] buffer fewer
     picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).flatten()
     # u * total < total, so picked < V; a zero-probability token is never picked
     # (its cdf step is 0).
