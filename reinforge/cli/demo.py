@@ -17,6 +17,7 @@ import argparse
 import collections
 import hashlib
 import json
+import math
 import subprocess
 import sys
 import time
@@ -244,6 +245,7 @@ def ensure_models(home: Path, domains: list[str], sft_steps: int,
     `domains`' reference answers (cached by name: the base, the domains, or a digest of a
     long list of them, and the steps). No SFT when `sft_steps` is 0: the start is the base.
     `heldout` (a `HeldOutConfig`): the run's held-out tasks, which SFT leaves out."""
+    from reinforge.cli import UserError
     from reinforge.rl.sft import SFTConfig, run_sft
 
     if model is not None:
@@ -265,11 +267,15 @@ def ensure_models(home: Path, domains: list[str], sft_steps: int,
     # A pretrained model is nudged toward the answer format, not taught from scratch.
     gentle = {"learning_rate": PRETRAINED_SFT_LR, "batch_size": 8} if model is not None else {}
     tiers = PRETRAINED_SFT_TIERS if model is not None else (0,)
-    result = run_sft(
-        SFTConfig(model=str(base), out=str(sft), domains=tuple(domains), tiers=tiers,
-                  steps=sft_steps, num_examples=384, heldout=heldout, **longer, **gentle),
-        progress=lambda line: say(f"sft: {line}"),
-    )
+    try:
+        result = run_sft(
+            SFTConfig(model=str(base), out=str(sft), domains=tuple(domains), tiers=tiers,
+                      steps=sft_steps, num_examples=384, heldout=heldout, **longer, **gentle),
+            progress=lambda line: say(f"sft: {line}"),
+        )
+    except ValueError as exc:  # nothing to show, a bad domain: the user's to fix, not a crash
+        raise UserError(f"the SFT warm start cannot run: {exc} (--sft-steps 0 starts "
+                        "without it)") from None
     say(f"SFT: {'cached' if result.get('cached') else 'trained'} -> {sft}")
     return base, sft
 
@@ -467,6 +473,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     say(f"evaluating the starting checkpoint ({sft.name}) on the held-out sets")
     before = evaluate(sft, domains, eval_k, per_tier, tiers, reward_model=rm_dir)
     eval_s = before.get("eval_s", 60.0) + 30.0
+    train_s = say_training_window(time.time() - t0, budget_s, eval_s)
     config_path = run_dir / "demo.toml"
     floors = {d: max(0.0, sc["pass_at_1"] - GUARD_MARGIN) for d, sc in before["domains"].items()}
     tier_of = heldout_tiers(domains, per_tier, tiers)
@@ -483,8 +490,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if up.returncode != 0:
             raise UserError(f"reinforge up failed:\n{up.stdout}\n{up.stderr[-3000:]}")
         say(up.stdout.strip())
-        # Leave room for the final evaluation and the report inside the budget.
-        train_until = t0 + max(budget_s - eval_s - 20.0, 60.0)
+        train_until = time.time() + train_s
         progress_loop(run_dir, train_until)
     finally:
         say("stopping the cluster: reinforge down")
@@ -561,6 +567,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "guard": guard,
         "versions": version,
         "wall_s": round(time.time() - t0, 1),
+        "train_s": round(train_s, 1),
         "report": report_path,
         "final_checkpoint": str(after_model),
         "run_dir": str(run_dir),
@@ -593,6 +600,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
             + " was an infrastructure error, so nothing was learned there; "
             "`reinforge sandbox doctor` says what the sandbox set-up lacks")
     return 0
+
+
+MIN_TRAIN_S = 60.0
+"""The least a demo trains, even past its budget (the budget's overrun is said up front)."""
+REPORT_S = 20.0
+"""Time the report and the teardown take after the final evaluation."""
+
+
+def say_training_window(spent_s: float, budget_s: float, eval_s: float) -> float:
+    """Seconds the cluster trains: what the budget leaves after the warm start and the first
+    evaluation (`spent_s`), the final evaluation (`eval_s`) and the report, at least
+    MIN_TRAIN_S. Says so, and warns when that is under a third of the budget (a pretrained
+    model's warm start and evaluations take most of a short budget on a small CPU)."""
+    train_s = max(budget_s - spent_s - eval_s - REPORT_S, MIN_TRAIN_S)
+    say(f"training for {train_s:.0f} s: the warm start and the evaluation took {spent_s:.0f} s "
+        f"of the {budget_s / 60:.0f}-minute budget, the final evaluation takes about "
+        f"{eval_s:.0f} s")
+    if train_s < budget_s / 3:
+        over = spent_s + train_s + eval_s + REPORT_S - budget_s
+        say(f"warning: {train_s:.0f} s of training is too little for a clear before/after"
+            + (f", and the run ends about {over:.0f} s past its budget" if over > 1 else "")
+            + f"; --minutes {math.ceil((spent_s + eval_s + REPORT_S) * 2 / 60)} or more gives "
+            "training at least as long as the rest")
+    return train_s
 
 
 def episode_summary(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

@@ -395,3 +395,27 @@ def test_the_rm_suite_scores_with_its_reward_model_and_guards_the_gold_on_enough
     assert actors["Evaluator"]["score_per_tier"] == demo.GUARD_TASKS_PER_TIER
     with pytest.raises(UserError, match="--planted-exploit goes with --suite rm"):
         demo.cmd_demo(parser.parse_args(["demo", "--planted-exploit", "--model", "tiny"]))
+
+
+def test_the_demo_says_how_long_it_trains_and_warns_when_the_budget_leaves_little(capsys):
+    from reinforge.cli import demo
+
+    # a pretrained model on 2 cores: warm start and evaluation 500 s of a 10-minute budget
+    assert demo.say_training_window(500.0, 600.0, 200.0) == demo.MIN_TRAIN_S
+    said = capsys.readouterr().err
+    assert "training for 60 s: the warm start and the evaluation took 500 s of the 10-minute" \
+        in said
+    assert "warning: 60 s of training is too little" in said
+    assert "ends about 180 s past its budget" in said and "--minutes 24 or more" in said
+    assert demo.say_training_window(300.0, 1800.0, 200.0) == 1280.0
+    said = capsys.readouterr().err
+    assert "training for 1280 s" in said and "warning" not in said
+
+
+def test_a_warm_start_that_cannot_run_is_the_users_error_not_a_traceback(tmp_path,
+                                                                         tiny_model_dir):
+    from reinforge.cli import UserError, demo
+
+    with pytest.raises(UserError, match="the SFT warm start cannot run: sft: unknown domain "
+                                        "'no-such-domain'.*--sft-steps 0 starts without it"):
+        demo.ensure_models(tmp_path, ["no-such-domain"], 2, model=tiny_model_dir)
