@@ -498,6 +498,8 @@ def main() -> int:
         "max_new_tokens": args.max_new_tokens,
         "kv_backend": engine.pool.ops.name,
         "engine_weight_dtype": args.weight_dtype,
+        "weight_kernel_path": headline_model.linear.path,
+        "layer_ops_path": headline_model.ops.path,
         "engine_tokens_per_s": round(engine_tps, 1),
         "hf_tokens_per_s": round(hf_tps, 1),
         "speedup": round(statistics.median(ratios), 2),

@@ -1,8 +1,7 @@
 """The per-layer ops of the forward other than the products: RMSNorm and rotary embeddings.
 
-In torch each is about ten small ops, and in a decode step of a small model their dispatch
-costs more than their arithmetic (F.rms_norm over 8 x 576 on one thread: about 12 us in a
-loop, where one TVM call takes about 2 us). `LayerOps` runs them as the one-call kernels of
+In torch each is about ten small ops, and in a decode step of a small model (8 x 576 values)
+their dispatch costs more than their arithmetic. `LayerOps` runs them as the one-call kernels of
 `kernels/tvm_layer.py` (compiled for this CPU per width, cached on disk) and falls back to
 the torch definitions below when the kernels cannot be built or a width does not fit
 them (`path` says which: "tvm-layer" or "torch"). Both compute in float32; they agree to

@@ -230,7 +230,7 @@ class Linear:
         if kernel is None or not main:
             return self._widened_product(x, w)
         y = torch.empty((x.shape[0], main), dtype=torch.float32)
-        head = w if main == out else _rows(w, 0, main)  # a slice costs the call ~4 us
+        head = w if main == out else _rows(w, 0, main)  # slicing a weight per call costs time
         if isinstance(head, Int8Weight):
             kernel.gemv(x.contiguous(), head.data, head.scale, y)
         elif isinstance(head, BlockWeight):

@@ -377,6 +377,7 @@ async def server_info(request: Request) -> Response:
             "kv_bytes_per_token": stats.kv.bytes_per_token,
             "weight_dtype": e.model.weights.weight_format,
             "weight_kernel_path": e.model.linear.path,
+            "layer_ops_path": e.model.ops.path,
             "weight_version": e.weight_version,
             "disable_radix_cache": not ec.prefix_cache,
             "chunked_prefill_size": ec.chunked_prefill_size,

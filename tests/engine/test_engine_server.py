@@ -402,6 +402,7 @@ def test_a_server_with_int8_weights_says_so_generates_and_keeps_the_format_acros
     assert len(first["output_ids"]) == 6
     assert all(lp <= 0 for lp, _, _ in first["meta_info"]["output_token_logprobs"])
     assert r.json()["success"] and after["weight_dtype"] == "int8"
+    assert after["layer_ops_path"] == "tvm-layer"  # norms and rotations ran as TVM kernels
     assert again["output_ids"] == first["output_ids"]  # the same weights, packed the same way
 
 
