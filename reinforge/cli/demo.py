@@ -473,7 +473,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     say(f"evaluating the starting checkpoint ({sft.name}) on the held-out sets")
     before = evaluate(sft, domains, eval_k, per_tier, tiers, reward_model=rm_dir)
     eval_s = before.get("eval_s", 60.0) + 30.0
-    train_s = say_training_window(time.time() - t0, budget_s, eval_s)
+    trained_from = time.time()  # the cluster's start counts in the window
+    train_s = say_training_window(trained_from - t0, budget_s, eval_s)
     config_path = run_dir / "demo.toml"
     floors = {d: max(0.0, sc["pass_at_1"] - GUARD_MARGIN) for d, sc in before["domains"].items()}
     tier_of = heldout_tiers(domains, per_tier, tiers)
@@ -490,7 +491,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if up.returncode != 0:
             raise UserError(f"reinforge up failed:\n{up.stdout}\n{up.stderr[-3000:]}")
         say(up.stdout.strip())
-        train_until = time.time() + train_s
+        train_until = trained_from + train_s
         progress_loop(run_dir, train_until)
     finally:
         say("stopping the cluster: reinforge down")
