@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from reinforge.engine.kernel_choice import KernelChoice
+
 log = logging.getLogger(__name__)
 
 
@@ -32,15 +34,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-class LayerOps:
+class LayerOps(KernelChoice):
     """RMSNorm and RoPE for `Model`, through TVM kernels where they fit ("auto"), always
     ("tvm": a build failure raises) or never ("torch")."""
 
     def __init__(self, backend: str = "auto") -> None:
-        if backend not in ("auto", "torch", "tvm"):
-            raise ValueError(f"unknown kernel backend {backend!r}: 'auto', 'torch' or 'tvm'")
-        self.backend = backend
-        self.path = "torch" if backend == "torch" else "tvm-layer"
+        super().__init__(backend, "tvm-layer")
         self._funcs: dict[tuple, Any] = {}
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -89,7 +88,7 @@ class LayerOps:
             from reinforge.kernels import tvm_layer
             from reinforge.kernels.tvm_build import KernelSpec, build_or_load, host_target
         except Exception as exc:  # TVM itself is missing or broken
-            return self._unavailable(exc)
+            return self.unavailable("layer ops", exc)
         make = {"rms_norm": tvm_layer.make_rms_norm, "rope_split": tvm_layer.make_rope_split}[name]
         try:
             func = make(*params)
@@ -97,18 +96,10 @@ class LayerOps:
             log.info("layer ops: %s; using torch for it", exc)
             return None
         except Exception as exc:
-            return self._unavailable(exc)
+            return self.unavailable("layer ops", exc)
         try:
             spec = KernelSpec(family=f"layer-{name}",
                               params=tuple((f"p{i}", p) for i, p in enumerate(params)))
             return build_or_load(spec, host_target(), lambda: {name: func}).module[name]
         except Exception as exc:
-            return self._unavailable(exc)
-
-    def _unavailable(self, exc: Exception) -> None:
-        if self.backend == "tvm":
-            raise exc
-        log.warning("layer ops: TVM kernels unavailable (%s: %s); using torch",
-                    type(exc).__name__, exc)
-        self.path = "torch"
-        return None
+            return self.unavailable("layer ops", exc)

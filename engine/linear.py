@@ -26,14 +26,13 @@ or a bf16 GEMM.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
+from reinforge.engine.kernel_choice import KernelChoice
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "lossless")
 BLOCK = 32
@@ -187,7 +186,7 @@ matrix every step (about 1.8x slower than float32 at 32 sequences) is avoided. M
 (prefill) widen the weight once and multiply in torch."""
 
 
-class Linear:
+class Linear(KernelChoice):
     """x [N, in] float32 @ w.T (+ bias) -> [N, out] float32, whatever `w`'s format.
 
     float32 weights: torch (addmm fuses a residual add). Packed weights: the TVM kernels of
@@ -197,13 +196,10 @@ class Linear:
     count when the kernels cannot be built (`path` says which: "tvm-gemv" or "torch")."""
 
     def __init__(self, backend: str = "auto") -> None:
-        if backend not in ("auto", "torch", "tvm"):
-            raise ValueError(f"unknown kernel backend {backend!r}: 'auto', 'torch' or 'tvm'")
-        self.backend = backend
+        super().__init__(backend, "tvm-gemv")
         self._modules: dict[tuple[str, int], Any] = {}
         self._ones: dict[int, torch.Tensor] = {}
         self._block = 1  # the kernel's rows per task, once one is built
-        self.path = "torch" if backend == "torch" else "tvm-gemv"
 
     def __call__(self, x: torch.Tensor, w: Weight,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -284,12 +280,7 @@ class Linear:
             mod = build_or_load(spec, host_target(), funcs).module
             return Kernels(mod[f"gemv_{fmt}"], None if fmt == "bf16" else mod[f"dequant_{fmt}"])
         except Exception as exc:
-            if self.backend == "tvm":
-                raise
-            log.warning("linear: TVM gemv kernels unavailable (%s: %s); using torch",
-                        type(exc).__name__, exc)
-            self.path = "torch"
-            return None
+            return self.unavailable("linear", exc)
 
 
 class Kernels(NamedTuple):

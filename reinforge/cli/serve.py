@@ -33,7 +33,8 @@ def register(subparsers: Any) -> None:
         "--kernel-backend",
         default="auto",
         choices=["auto", "tvm", "torch"],
-        help="paged-KV ops: TVM-compiled, the torch twin, or auto (TVM when it compiles)",
+        help="paged-KV ops, packed-weight products, RMSNorm and RoPE: TVM-compiled, torch, "
+             "or auto (TVM where it compiles)",
     )
     serve.add_argument(
         "--max-total-tokens", type=int, default=65536, help="KV cache capacity in tokens"
