@@ -226,15 +226,16 @@ class Linear(KernelChoice):
         if kernel is None or not main:
             return self._widened_product(x, w)
         y = torch.empty((x.shape[0], main), dtype=torch.float32)
+        x = x.contiguous()
         head = w if main == out else _rows(w, 0, main)  # slicing a weight per call costs time
         if isinstance(head, Int8Weight):
-            kernel.gemv(x.contiguous(), head.data, head.scale, y)
+            kernel.gemv(x, head.data, head.scale, y)
         elif isinstance(head, BlockWeight):
-            kernel.gemv(x.contiguous(), head.data, head.dm, y)
+            kernel.gemv(x, head.data, head.dm, y)
         else:
             if main not in self._ones:
                 self._ones[main] = torch.ones(main)
-            kernel.gemv(x.contiguous(), head.view(torch.uint16), self._ones[main], y)
+            kernel.gemv(x, head.view(torch.uint16), self._ones[main], y)
         if main < out:  # e.g. a vocabulary of 3635 rows: the last 3 in torch
             tail = _rows(w, main)
             tail = tail.float() if isinstance(tail, torch.Tensor) else tail.dequantize()

@@ -30,8 +30,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-VW = 16
-"""fp32 lanes of one AVX-512 register (two AVX2 registers: LLVM splits the vectors)."""
+from reinforge.kernels.tvm_cpu import VW
 ROWS = 1
 """Output rows per task (and accumulators per activation row). Measured with 2 TVM threads,
 int8, the five products of a SmolLM2-135M layer and its head: 1 row a task 1.80 ms at one

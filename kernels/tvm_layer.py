@@ -22,8 +22,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-VW = 16
-"""fp32 lanes of one AVX-512 register (two AVX2 registers: LLVM splits the vectors)."""
+from reinforge.kernels.tvm_cpu import VW
 
 
 def make_rms_norm(k: int, eps: float):
