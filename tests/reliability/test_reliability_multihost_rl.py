@@ -37,7 +37,8 @@ HERE = Path(__file__).resolve().parent
 OBSERVER = HERE / "multihost_rl_observer.py"
 DOMAIN = "vowels=multihost_domain:VowelsDomain"
 CUT_S = 12.0
-THROTTLE = "4mbit"  # a version of the test's tiny policy (about 0.7 MB) takes over a second
+THROTTLE = "4mbit"  # a version of the test's tiny policy (about 0.6 MB) takes over a second
+CHUNK = 128 * 1024  # what nats-py puts in one chunk of an object; a fetch asks for one at a time
 
 
 def host_config(run: str, h1: Path, creds: Path, url: str) -> str:
@@ -160,8 +161,12 @@ def test_an_rl_run_on_three_hosts_without_a_shared_folder_survives_a_cut_mid_tra
                  "the sampler's first fetch from the store", 180, procs)
         netns_lab.throttle(2, THROTTLE)
         full = (h[2] / "model" / "model.safetensors").stat().st_size
+        assert full > 2 * CHUNK, "the test's policy is too small to be cut mid-file"
         deadline = time.monotonic() + 120
-        while not ((part := partial_model_file(h[2] / "tmp")) and 0 < size(part) < full):
+        # Cut while two chunks are still to come: the one already asked for may land after
+        # the cut (the request and its answer are in flight), the one after it cannot.
+        while not ((part := partial_model_file(h[2] / "tmp"))
+                   and 0 < size(part) <= full - 2 * CHUNK):
             assert time.monotonic() < deadline, "no fetch of the model's file seen on h2"
             time.sleep(0.005)
         cut_at = time.monotonic()
