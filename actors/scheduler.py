@@ -400,6 +400,8 @@ class Scheduler(Actor):
                 raise ValueError(f"task file {cfg.task_files[name]} for domain {name!r} has no "
                                  "task outside the held-out set")
             self.file_tasks[name] = {t.task_id: t for t in tasks}
+            for tier in set(range(len(domain.tiers))) - {t.tier for t in tasks}:
+                self.curricula[name].close(tier)
 
     # -- inputs -----------------------------------------------------------------------
 
@@ -670,10 +672,20 @@ class Scheduler(Actor):
     def _new_task(self, name: str, rng: random.Random, now: float) -> Task | None:
         cfg: SchedulerConfig = self.config
         curriculum = self.curricula[name]
-        tier = curriculum.choose_tier(rng, cfg.group_size)
-        spec = self._draw_spec(name, tier, rng)
-        if spec is None:
-            return None
+        if curriculum.level in curriculum.closed:
+            return None  # every tier closed, said when the last one closed
+        while True:
+            tier = curriculum.choose_tier(rng, cfg.group_size)
+            spec = self._draw_spec(name, tier, rng)
+            if spec is not None:
+                break
+            if not curriculum.close(tier):
+                say(f"domain {name}: no tier has a task outside the held-out set; "
+                    "it issues nothing")
+                return None
+            say(f"domain {name}: tier {tier} has no task outside the held-out set; its "
+                f"curriculum steps over it (level {curriculum.level})")
+        curriculum.issued(spec.tier)
         st = self.state
         task = Task(
             task_id=f"{spec.task_id}@{st.issued}",
@@ -709,8 +721,7 @@ class Scheduler(Actor):
             if fingerprint(spec.prompt) not in self.heldout[name]:
                 return spec
             self.state.counters[name].heldout_skips += 1
-        say(f"domain {name} tier {tier}: 64 draws all in the held-out set; skipping it")
-        return None
+        return None  # 64 draws all held out: the tier has (almost surely) nothing else
 
     def _expired_leases(self, now: float) -> list[Task]:
         """Reissue (attempt + 1) the tasks whose lease ran out; abandon after max_attempts."""

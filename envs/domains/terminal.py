@@ -138,35 +138,34 @@ def parse_commands(completion: str, max_turns: int) -> list[str]:
 
 
 # ---------------------------------------------------------------- generator
+# Names vary in every tier: the held-out set is chosen by prompt, and a tier with a handful
+# of distinct prompts would be held out whole and leave training nothing at that tier.
 
 _NAMES = ("hello", "notes", "todo", "greeting", "result", "data", "report")
 _WORDS = ("hello", "apple", "ready", "blue", "seven", "done", "river")
-_BUGS = (  # (module, entry, buggy body, fixed body, sed fix, tests)
-    (
-        "calc.py",
-        "add",
-        "return a - b",
-        "return a + b",
-        "s/return a - b/return a + b/",
-        [((2, 3), 5), ((10, -4), 6), ((0, 0), 0), ((7, 8), 15)],
-    ),
-    (
-        "calc.py",
-        "multiply",
-        "return a + b",
-        "return a * b",
-        "s/return a + b/return a * b/",
-        [((2, 3), 6), ((4, 5), 20), ((0, 9), 0), ((-2, 3), -6)],
-    ),
-    (
-        "parity.py",
-        "is_even",
-        "return n % 2 == 1",
-        "return n % 2 == 0",
-        "s/== 1/== 0/",
-        [((2,), True), ((3,), False), ((0,), True), ((-7,), False)],
-    ),
+_DIRS = ("archive", "backup", "docs", "old", "saved", "done")
+_LOGS = ("log", "events", "access", "errors", "lines")
+_OUTS = ("count", "total", "result", "answer")
+_INPUTS = ("numbers", "values", "amounts", "scores", "readings", "prices", "data")
+_MODULES = ("calc", "mathutil", "ops", "helpers", "numbers")
+_BUGS = (  # (entry, buggy body, sed fix, tests)
+    ("add", "return a - b", "s/return a - b/return a + b/",
+     [((2, 3), 5), ((10, -4), 6), ((0, 0), 0), ((7, 8), 15)]),
+    ("multiply", "return a + b", "s/return a + b/return a * b/",
+     [((2, 3), 6), ((4, 5), 20), ((0, 9), 0), ((-2, 3), -6)]),
+    ("subtract", "return a + b", "s/return a + b/return a - b/",
+     [((5, 3), 2), ((0, 4), -4), ((9, 9), 0), ((-1, 1), -2)]),
+    ("is_even", "return n % 2 == 1", "s/== 1/== 0/",
+     [((2,), True), ((3,), False), ((0,), True), ((-7,), False)]),
+    ("is_positive", "return n < 0", "s/n < 0/n > 0/",
+     [((3,), True), ((-2,), False), ((0,), False), ((10,), True)]),
+    ("square", "return n + n", "s/n + n/n * n/",
+     [((3,), 9), ((0,), 0), ((-2,), 4), ((1,), 1)]),
 )
+_REDUCE = {  # what tier 3 asks for: (words, the reference's command on SRC into DST)
+    "sum": ("the sum of", "awk '{s += $1} END {print s}' SRC > DST"),
+    "max": ("the largest of", "sort -n SRC | tail -n 1 > DST"),
+}
 
 
 def _sig(entry: str, n: int) -> str:
@@ -185,34 +184,36 @@ def generate(rng: random.Random, tier: int) -> tuple[TerminalSpec, list[str]]:
         return spec, [f"echo {word} > {name}.txt"]
     if tier == 1:
         if rng.random() < 0.5:
-            d = rng.choice(("archive", "backup", "docs", "old"))
+            d, name = rng.choice(_DIRS), f"{rng.choice(_NAMES)}.txt"
             content = " ".join(rng.choice(_WORDS) for _ in range(4))
             spec = TerminalSpec(
-                instruction=f"Make a directory named {d} and move notes.txt into it.",
-                files={"notes.txt": content + "\n"},
+                instruction=f"Make a directory named {d} and move {name} into it.",
+                files={name: content + "\n"},
                 checks=[
-                    StateCheck(kind="file_equals", path=f"{d}/notes.txt", content=content),
-                    StateCheck(kind="file_absent", path="notes.txt"),
+                    StateCheck(kind="file_equals", path=f"{d}/{name}", content=content),
+                    StateCheck(kind="file_absent", path=name),
                 ],
                 max_turns=6,
             )
-            return spec, [f"mkdir {d}", f"mv notes.txt {d}/"]
+            return spec, [f"mkdir {d}", f"mv {name} {d}/"]
         k = rng.randint(2, 9)
+        src, dst = f"{rng.choice(_LOGS)}.txt", f"{rng.choice(_OUTS)}.txt"
         log = "".join(f"event {rng.randint(100, 999)}\n" for _ in range(k))
         spec = TerminalSpec(
-            instruction="Write the number of lines in log.txt into count.txt.",
-            files={"log.txt": log},
-            checks=[StateCheck(kind="file_equals", path="count.txt", content=str(k))],
+            instruction=f"Write the number of lines in {src} into {dst}.",
+            files={src: log},
+            checks=[StateCheck(kind="file_equals", path=dst, content=str(k))],
             max_turns=6,
         )
-        return spec, ["wc -l < log.txt > count.txt"]
+        return spec, [f"wc -l < {src} > {dst}"]
     if tier == 2:
-        module, entry, buggy, _, sed, cases = rng.choice(_BUGS)
-        n = len(cases[0][0])
-        args = _sig(entry, n)
+        entry, buggy, sed, cases = rng.choice(_BUGS)
+        stem = rng.choice(_MODULES)
+        module, test = f"{stem}.py", f"test_{stem}.py"
+        args = _sig(entry, len(cases[0][0]))
         src = f"def {entry}({args}):\n    {buggy}\n"
         visible = (
-            f"import unittest\nfrom {module[:-3]} import {entry}\n\n\n"
+            f"import unittest\nfrom {stem} import {entry}\n\n\n"
             f"class Test(unittest.TestCase):\n    def test_it(self):\n"
             f"        self.assertEqual({entry}(*{cases[0][0]!r}), {cases[0][1]!r})\n\n\n"
             "if __name__ == '__main__':\n    unittest.main()\n"
@@ -221,25 +222,29 @@ def generate(rng: random.Random, tier: int) -> tuple[TerminalSpec, list[str]]:
             f"    assert candidate(*{a!r}) == {r!r}\n" for a, r in cases
         )
         spec = TerminalSpec(
-            instruction=f"{module} has a bug: fix it so that test_{module} passes.",
-            files={module: src, f"test_{module}": visible},
+            instruction=f"{entry} in {module} has a bug: fix it so that {test} passes.",
+            files={module: src, test: visible},
             checks=[StateCheck(kind="python_tests", path=module, entry_point=entry, test=hidden)],
             max_turns=8,
         )
         return spec, [f"sed -i '{sed}' {module}"]
     if tier == 3:
+        op = rng.choice(sorted(_REDUCE))
+        words, command = _REDUCE[op]
+        src, dst = f"{rng.choice(_INPUTS)}.txt", f"{rng.choice(_OUTS)}.txt"
         nums = [rng.randint(-50, 200) for _ in range(rng.randint(3, 8))]
         spec = TerminalSpec(
-            instruction="Write the sum of the numbers in numbers.txt (one per line) into "
-            "total.txt, then delete numbers.txt.",
-            files={"numbers.txt": "".join(f"{x}\n" for x in nums)},
+            instruction=f"Write {words} the numbers in {src} (one per line) into {dst}, then "
+            f"delete {src}.",
+            files={src: "".join(f"{x}\n" for x in nums)},
             checks=[
-                StateCheck(kind="file_equals", path="total.txt", content=str(sum(nums))),
-                StateCheck(kind="file_absent", path="numbers.txt"),
+                StateCheck(kind="file_equals", path=dst,
+                           content=str(sum(nums) if op == "sum" else max(nums))),
+                StateCheck(kind="file_absent", path=src),
             ],
             max_turns=8,
         )
-        return spec, ["awk '{s += $1} END {print s}' numbers.txt > total.txt", "rm numbers.txt"]
+        return spec, [command.replace("SRC", src).replace("DST", dst), f"rm {src}"]
     raise ValueError(f"terminal has tiers 0..3, got {tier}")
 
 
@@ -401,7 +406,8 @@ class TerminalDomain:
         Tier(level=0, name="create-file", description="create one file with given content"),
         Tier(level=1, name="move-or-count", description="mkdir + mv, or count lines into a file"),
         Tier(level=2, name="fix-the-bug", description="fix a one-line bug so the tests pass"),
-        Tier(level=3, name="compute-and-clean", description="sum numbers to a file, delete input"),
+        Tier(level=3, name="compute-and-clean",
+             description="sum or max of numbers into a file, delete the input"),
     )
 
     def __init__(self, *, config: TerminalConfig | None = None, runner: CodeRunner | None = None):

@@ -58,7 +58,8 @@ class CurriculumConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     min_groups: int = 4
     """Groups at the level since the last move before the domain may move again."""
     explore: float = 0.1
-    """Probability of issuing a task at a neighbour tier (level-1 or level+1) instead."""
+    """Probability of issuing a task at a neighbour tier (the nearest open one below or
+    above the level) instead."""
     prior_pass_rate: float = 0.5
     """Predicted pass rate of a tier nothing is known about, with no observed neighbour."""
     tier_step: float = 0.3
@@ -104,17 +105,23 @@ class DomainCurriculum:
         (level-1) if below `demote_below`. The level thus stays where the pass rate is in
         [demote_below, promote_above], i.e. where `informative_probability` is high (at
         G=8 and the defaults, >= 0.83), so groups are aimed at the signal before sampling.
-      * choose_tier: the level; with probability `explore` a neighbour (level +- 1) instead,
-        weighted by `informative_probability(predicted, G) + 0.05`, so the rates of the
-        tiers around the level stay known.
+      * choose_tier: the level; with probability `explore` a neighbour (the nearest open
+        tier below or above) instead, weighted by `informative_probability(predicted, G) +
+        0.05`, so the rates of the tiers around the level stay known.
       * predicted(tier): the window mean shrunk towards a prior (`prior_groups`
         pseudo-groups); the prior extrapolates from the nearest other observed tier by
         `tier_step` per tier, else it is `prior_pass_rate`.
+      * close(tier): a tier with no task to give (every draw held out for evaluation, or a
+        task file without that tier) leaves the ladder: moves and exploration step over
+        it, and a level on it moves to the open neighbour predicted to carry more signal.
+        A level stuck on such a tier would issue nothing at the level and never move.
+        Closed tiers are not saved: a restart finds them again on its first draw.
     """
 
     def __init__(self, config: CurriculumConfig, state: DomainCurriculumState) -> None:
         self.config = config
         self.state = state
+        self.closed: set[int] = set()
 
     @classmethod
     def new(cls, config: CurriculumConfig, n_tiers: int,
@@ -142,8 +149,33 @@ class DomainCurriculum:
         return self.state.level
 
     def band(self) -> list[int]:
-        lv, n = self.state.level, self.state.n_tiers
-        return [t for t in (lv - 1, lv, lv + 1) if 0 <= t < n]
+        """The level and its open neighbours."""
+        lv = self.state.level
+        return [t for t in (self._next_open(lv, -1), lv, self._next_open(lv, 1)) if t is not None]
+
+    def _next_open(self, tier: int, step: int) -> int | None:
+        t = tier + step
+        while 0 <= t < self.state.n_tiers:
+            if t not in self.closed:
+                return t
+            t += step
+        return None
+
+    def close(self, tier: int) -> bool:
+        """Leave `tier` out of the ladder (see the class docstring); False when no open
+        tier is left, so the domain has nothing to give."""
+        self.closed.add(tier)
+        st = self.state
+        if st.level in self.closed:
+            # Nearer the middle of the band is more signal (informative_probability is
+            # symmetric about 0.5); a tie goes up.
+            options = [t for t in (self._next_open(st.level, 1), self._next_open(st.level, -1))
+                       if t is not None]
+            if not options:
+                return False
+            st.level = min(options, key=lambda t: abs(self.predicted(t) - 0.5))
+            st.groups_since_move = 0
+        return True
 
     def window(self, tier: int) -> list[float]:
         return self.state.windows.get(tier, [])
@@ -175,8 +207,11 @@ class DomainCurriculum:
             weights = [informative_probability(self.predicted(t), group_size) + 0.05
                        for t in neighbours]
             tier = rng.choices(neighbours, weights=weights, k=1)[0]
-        self.state.issued_by_tier[tier] = self.state.issued_by_tier.get(tier, 0) + 1
         return tier
+
+    def issued(self, tier: int) -> None:
+        """Count a task issued at `tier` (its own tier, which `tier_mix` reports)."""
+        self.state.issued_by_tier[tier] = self.state.issued_by_tier.get(tier, 0) + 1
 
     def record(self, tier: int, pass_rate: float) -> int:
         """Add one group's pass rate; return the move made (+1, -1 or 0)."""
@@ -197,14 +232,16 @@ class DomainCurriculum:
         w = self.window(st.level)
         rate = sum(w) / len(w)
         move = 0
-        if rate > cfg.promote_above and st.level + 1 < st.n_tiers:
+        if rate > cfg.promote_above:
             move = 1
-        elif rate < cfg.demote_below and st.level > 0:
+        elif rate < cfg.demote_below:
             move = -1
-        if move:
-            st.level += move
-            st.groups_since_move = 0
-            st.moves += 1
+        to = self._next_open(st.level, move) if move else None
+        if to is None:
+            return 0
+        st.level = to
+        st.groups_since_move = 0
+        st.moves += 1
         return move
 
     def tier_mix(self) -> dict[int, float]:

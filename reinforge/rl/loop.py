@@ -197,8 +197,10 @@ class TaskDraw:
     def _new_task(self) -> Task:
         name = draw_domain(self.mix, self.rng)
         domain = self.domains[name]
-        spec = domain.sample_task(self.rng, self.curricula[name].choose_tier(
-            self.rng, self.settings.group_size))
+        curriculum = self.curricula[name]
+        spec = domain.sample_task(self.rng, curriculum.choose_tier(self.rng,
+                                                                  self.settings.group_size))
+        curriculum.issued(spec.tier)
         task = Task(task_id=f"{spec.task_id}@{self.issued}", domain=name, tier=spec.tier,
                     prompt=domain.prompt(spec), spec=dict(spec.spec),
                     group_size=self.settings.group_size)

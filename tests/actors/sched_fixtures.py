@@ -8,6 +8,7 @@ import trio
 from reinforge.core import messages as m
 from reinforge.core import subjects
 from reinforge.core.actor import Actor, Input
+from reinforge.envs.domain import TaskSpec, Tier, Verdict, check_tier
 
 
 def scored_group(task: m.Task, rewards: list[float], *, tokens: int = 10,
@@ -89,3 +90,33 @@ class HangingSampler(Actor):
     async def on_task(self, msg: m.Task) -> None:
         with self.ctx.waiting(f"pretend generation of {msg.task_id}"):
             await trio.sleep_forever()
+
+
+class LadderDomain:
+    """Four tiers of made-up tasks; tier 1 has four prompts, which a held-out set of four
+    tasks a tier (the default) takes, so a scheduler can draw no training task at tier 1
+    (`domain_specs=["ladder=sched_fixtures:LadderDomain"]`)."""
+
+    name = "ladder"
+    description = "a test domain with a tier that evaluation takes whole"
+    resource = "cpu"
+    multi_turn = False
+    tiers = tuple(Tier(level=t, name=f"t{t}", description=f"tier {t}") for t in range(4))
+
+    def sample_task(self, rng, tier):
+        check_tier(self, tier)
+        n = rng.randrange(4 if tier == 1 else 10**9)
+        return TaskSpec(task_id=f"ladder-t{tier}-{n}", domain=self.name, tier=tier,
+                        prompt=f"Tier {tier}, task {n}.", spec={}, reference="")
+
+    def load_tasks(self, path):
+        return []
+
+    def task_from_row(self, row, *, where):
+        raise ValueError(f"{where}: the ladder domain has no task files")
+
+    def prompt(self, task):
+        return task.prompt
+
+    async def verify(self, task, completion):
+        return Verdict(reward=0.0, outcome="fail", reason="never run")

@@ -181,6 +181,33 @@ def test_a_domain_given_its_starting_pass_rates_is_issued_at_the_first_unsolved_
     trio.run(main)
 
 
+def test_a_tier_whose_every_task_is_held_out_is_stepped_over_not_waited_on(
+    creds, run_name, tmp_path
+):
+    """The starting rates put the level on tier 1, which has no training task: the domain
+    goes on at tier 2 (nearer 50 % than tier 0), and a demotion from there skips to tier 0."""
+    cfg = config(tmp_path, domains={"ladder": 1.0}, group_size=2, max_in_flight=2,
+                 domain_specs=["ladder=sched_fixtures:LadderDomain"],
+                 groups_per_version=100, start_pass_rates={"ladder": [0.95, 0.5]},
+                 curriculum=CurriculumConfig(explore=0.0, min_groups=2, window_groups=2))
+
+    async def main():
+        async with open_bus(creds) as bus, scheduler(creds, run_name, cfg):
+            async def answer(task):  # every group fails: the level comes down
+                await publish_scored(bus, run_name, scored_group(task, [0.0, 0.0]))
+
+            return await TaskWatcher(bus, run_name).until(
+                lambda ts: any(t.tier == 0 for t in ts) and len(ts) >= 6, on_task=answer)
+
+    tasks = trio.run(main)
+    tiers = [t.tier for t in tasks]
+    assert tiers[:2] == [2, 2] and 1 not in tiers
+    assert tiers[-1] == 0 and sorted(set(tiers)) == [0, 2]
+    st = load_state(tmp_path / "state.json")
+    assert st.curricula["ladder"].issued_by_tier[2] >= 2 and 1 not in st.curricula[
+        "ladder"].issued_by_tier
+
+
 def test_starting_pass_rates_outside_0_1_are_refused():
     with pytest.raises(ValueError, match="start_pass_rates: rates must be in"):
         SchedulerConfig(start_pass_rates={"math": [0.5, 54.0]})
@@ -535,6 +562,33 @@ def test_recurring_tasks_from_a_file_come_back_under_fresh_ids_but_never_held_ou
     assert set(bases) <= {"q0", "q1", "q2"} and len(bases) >= 2
     assert len({t.task_id for t in tasks}) == len(tasks)  # each issue has its own id
     assert all("squared" in t.prompt for t in tasks)
+
+
+def test_a_task_file_without_the_level_s_tier_moves_the_level_to_a_tier_it_has(
+    creds, run_name, tmp_path
+):
+    """Tasks at tiers 0 and 2 only, the level starting at 1: tasks come from tier 2, and
+    all-fail groups there move the level to 0. (A level left on tier 1 drew tier 0's tasks,
+    whose groups never count towards a move, and stayed there for good.)"""
+    rows = [{"task_id": f"t{tier}-{i}", "question": f"What is {i} + {tier * 10}?",
+             "answer": str(i + tier * 10), "tier": tier} for tier in (0, 2) for i in range(3)]
+    path = tmp_path / "math.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = config(tmp_path, domains={"math": 1.0}, task_files={"math": str(path)},
+                 group_size=2, max_in_flight=2, groups_per_version=100,
+                 curriculum=CurriculumConfig(start_tier=1, explore=0.0, min_groups=2,
+                                             window_groups=2))
+
+    async def main():
+        async with open_bus(creds) as bus, scheduler(creds, run_name, cfg):
+            async def answer(task):
+                await publish_scored(bus, run_name, scored_group(task, [0.0, 0.0]))
+
+            return await TaskWatcher(bus, run_name).until(
+                lambda ts: any(t.tier == 0 for t in ts), on_task=answer)
+
+    tiers = [t.tier for t in trio.run(main)]
+    assert tiers[:2] == [2, 2] and tiers[-1] == 0
 
 
 def test_the_learners_decisions_alone_move_the_budget_and_the_signal_figures(

@@ -108,12 +108,43 @@ def test_exploration_goes_to_the_neighbour_tier_predicted_to_carry_more_signal()
     rng = random.Random(0)
     seen = Counter(cur.choose_tier(rng, 8) for _ in range(1000))
     assert set(seen) == {0, 2}
+    for tier, n in seen.items():
+        for _ in range(n):
+            cur.issued(tier)
     p0 = informative_probability(cur.predicted(0), 8) + 0.05
     p2 = informative_probability(cur.predicted(2), 8) + 0.05
     share = p2 / (p0 + p2)
     assert share > 0.8
     assert abs(seen[2] / 1000 - share) < 4 * math.sqrt(share * (1 - share) / 1000)
     assert cur.tier_mix() == {0: seen[0] / 1000, 2: seen[2] / 1000}
+
+
+def test_moves_and_exploration_step_over_a_closed_tier():
+    cur = DomainCurriculum.new(CurriculumConfig(min_groups=2, window_groups=2, explore=1.0), 4)
+    assert cur.close(1)
+    assert cur.band() == [0, 2]
+    assert [cur.record(0, 1.0) for _ in range(2)] == [0, 1]
+    assert cur.level == 2 and cur.band() == [0, 2, 3]
+    rng = random.Random(3)
+    assert {cur.choose_tier(rng, 8) for _ in range(200)} == {0, 3}
+    assert [cur.record(2, 0.0) for _ in range(2)] == [0, -1]
+    assert cur.level == 0
+
+
+def test_a_level_on_a_closed_tier_moves_to_the_open_neighbour_nearer_half_passing():
+    up = DomainCurriculum.new(CFG, 4, measured=[1.0, 0.5])  # tier 2 predicted 0.2
+    assert up.level == 1 and up.close(1) and up.level == 2
+    down = DomainCurriculum.new(CFG, 4, measured=[0.7, 0.1])  # tier 2 predicted 0.02
+    assert down.level == 0 and down.close(0) and down.level == 1
+    assert down.close(1) and down.level == 2 and down.band() == [2, 3]
+    assert down.close(2) and down.close(3) is False
+
+
+def test_the_tier_mix_counts_the_tiers_tasks_were_issued_at():
+    cur = DomainCurriculum.new(CFG, 3)
+    for tier in (0, 0, 2):
+        cur.issued(tier)
+    assert cur.tier_mix() == {0: 2 / 3, 2: 1 / 3}
 
 
 def test_without_exploration_every_task_is_at_the_level():

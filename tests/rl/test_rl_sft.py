@@ -49,18 +49,29 @@ def test_demonstrations_leave_out_the_tasks_of_the_held_out_sets():
     assert len(kept) == 384 and not held & {fingerprint(d.prompt) for d in kept}
 
 
-def test_a_tier_whose_tasks_are_all_held_out_is_left_out_of_the_demonstrations():
-    # terminal's tier-1 prompts name its files, not their contents: every one of them is in
-    # a held-out set of 5 tasks a tier. A warm start over tiers 0-2 (a pretrained model's)
-    # shows tiers 0 and 2; tier 1 alone has nothing to show.
+def test_a_tier_whose_tasks_are_all_held_out_is_left_out_of_the_demonstrations(tmp_path):
+    # A held-out file with every prompt terminal's tier 1 can give: a warm start over tiers
+    # 0-2 (a pretrained model's) shows tiers 0 and 2; tier 1 alone has nothing to show.
+    import random
+
+    import msgspec
     from reinforge.envs.domain import DomainRegistry
+    from reinforge.envs.domains.terminal import TerminalSpec
     from reinforge.rl.evalsets import HeldOutConfig, build_heldout, fingerprint
 
-    heldout = HeldOutConfig(tasks_per_tier=5)
+    terminal = DomainRegistry.default().get("terminal")
+    rows = {}
+    for seed in range(3000):
+        task = terminal.sample_task(random.Random(seed), 1)
+        spec = msgspec.convert(task.spec, TerminalSpec)
+        rows[task.prompt] = {"instruction": spec.instruction, "files": spec.files,
+                             "checks": msgspec.to_builtins(spec.checks), "tier": 1}
+    path = tmp_path / "heldout.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows.values()))
+    heldout = HeldOutConfig(files={"terminal": str(path)})
     held = {fingerprint(t.prompt)
             for t in build_heldout(DomainRegistry.default(), ["terminal"], heldout)["terminal"]}
-    tier1 = {fingerprint(d.prompt) for d in demos_from_domains(("terminal",), (1,), 40, seed=0)}
-    assert tier1 and tier1 <= held
+    assert held == {fingerprint(p) for p in rows}
     demos = demos_from_domains(("terminal",), (0, 1, 2), 48, seed=0, heldout=heldout)
     shown = {fingerprint(d.prompt) for d in demos}
     assert len(demos) == 48 and not shown & held
