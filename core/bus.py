@@ -424,12 +424,15 @@ class Bus:
                       deadline_s: float = 60.0) -> Any:
         """Run a JetStream API call, retrying while the cluster cannot answer (a leader
         election, a node cut off, a busy server): those are waits, not failures. Past
-        `deadline_s` the last error is raised, naming `what`."""
+        `deadline_s` the last error is raised, naming `what`. A publish that finds no
+        responder (`NoStreamResponseError`: a stream still electing its leader) stored
+        nothing, so sending it again is safe."""
         delay, give_up = 0.25, trio.current_time() + deadline_s
         while True:
             try:
                 return await self.aio(call)()
             except (nats.errors.TimeoutError, nats.errors.NoRespondersError,
+                    nats.js.errors.NoStreamResponseError,
                     nats.js.errors.ServiceUnavailableError, _NotReadyYet) as exc:
                 if trio.current_time() + delay > give_up:
                     raise BusError(f"{what}: JetStream did not answer within {deadline_s:g} s "

@@ -281,3 +281,23 @@ def test_stream_set_up_errors_split_into_update_retry_and_a_clear_refusal():
     assert classify_stream_error("S", error(10005, "no suitable peers for placement")) == "retry"
     with pytest.raises(BusError, match=r"stream S: replicas > 1 not supported .*needs a NATS"):
         classify_stream_error("S", error(10074, "replicas > 1 not supported in non-clustered mode"))
+
+
+def test_a_jetstream_call_waits_out_a_stream_without_a_leader(creds):
+    """A stream just made with three replicas has no leader for a moment: a publish to it
+    finds no responder, which nats-py raises as NoStreamResponseError. The bus waits that
+    out like the other cluster waits. (The call is scripted; the bus is real.)"""
+    calls = []
+
+    async def publish_once_a_leader_answers():
+        calls.append(trio.current_time())
+        if len(calls) < 3:
+            raise nats.js.errors.NoStreamResponseError
+        return "acked"
+
+    async def main():
+        async with open_bus(creds) as bus:
+            assert await bus.js_call(publish_once_a_leader_answers, what="a publish") == "acked"
+
+    trio.run(main)
+    assert len(calls) == 3 and calls[1] - calls[0] >= 0.25  # retried after the back-off
