@@ -9,8 +9,10 @@ Dataflow:
         ^-- Announce (ctl.<run>.announce): the domains verifiers serve (available, not scheduled)
 
 Decisions (pure, in `reinforge.rl.curriculum`): the domain by mixing weights x regression
-boosts with replay floors for critical domains; the tier where the predicted group pass rate
-gives the most learning signal; for recurring (file) tasks, the task itself. Flow control:
+boosts x its recent rate of groups with signal (floored at `signal_share_floor`, so a
+mastered or hopeless domain is still probed), with replay floors for critical domains; the
+tier where the predicted group pass rate gives the most learning signal (a tier with no
+training task stepped over); for recurring (file) tasks, the task itself. Flow control:
 in-flight tasks stay within `issue_budget` (learner demand x max staleness, each task counted
 by its domain's recent rate of groups with signal) and per-domain quotas.
 
@@ -126,6 +128,12 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """Floor on a domain's estimated rate of groups with signal, which the issue budget
     divides by: a domain whose groups never carry signal still counts (it cannot fill the
     pipeline on its own); `max_in_flight` is the hard cap."""
+    signal_share_floor: float = 0.1
+    """The mix follows the signal: a domain's weight is multiplied by its recent rate of
+    groups with signal, floored at this. A domain whose groups are all pass or all fail
+    (mastered, or out of reach) keeps this fraction of the share it would get if every
+    group taught, so it is probed again as the policy changes. 1 turns this off: the
+    weights alone."""
     lease_s: float = 300.0
     """A task whose group is neither complete nor decided after this is reissued
     (attempt + 1)."""
@@ -157,9 +165,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             )
         if self.lease_s <= 0 or self.tick_s <= 0:
             raise ValueError("SchedulerConfig: lease_s and tick_s must be > 0")
-        if not 0.0 < self.min_signal_rate <= 1.0:
-            raise ValueError(f"SchedulerConfig.min_signal_rate must be in (0, 1], got "
-                             f"{self.min_signal_rate}")
+        for name in ("min_signal_rate", "signal_share_floor"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"SchedulerConfig.{name} must be in (0, 1], got "
+                                 f"{getattr(self, name)}")
         if any(w < 0 for w in self.domains.values()):
             raise ValueError(f"SchedulerConfig.domains: weights must be >= 0, got {self.domains}")
         bad = {d: r for d, r in self.start_pass_rates.items() if not all(0 <= x <= 1 for x in r)}
@@ -592,11 +601,11 @@ class Scheduler(Actor):
 
     def probabilities(self, eligible: set[str]) -> dict[str, float]:
         cfg: SchedulerConfig = self.config
-        boosts = {
-            d: cfg.regression_boost
-            for d, p in self.state.eval_pass_at_1.items()
-            if d in cfg.min_pass_at_1 and p < cfg.min_pass_at_1[d]
-        }
+        boosts = {d: floored_signal_rate(self._raw_signal_rate(d), cfg.signal_share_floor)
+                  for d in eligible}
+        for d, p in self.state.eval_pass_at_1.items():
+            if d in boosts and d in cfg.min_pass_at_1 and p < cfg.min_pass_at_1[d]:
+                boosts[d] *= cfg.regression_boost
         floors = {**cfg.replay_floors, **self.mix.replay_floors}
         return mix_probabilities(self.weights(), eligible=eligible, floors=floors, boosts=boosts)
 

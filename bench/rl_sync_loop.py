@@ -220,6 +220,7 @@ class SyncLoop:
             group_size=settings.group_size, groups_per_version=settings.groups_per_version,
             max_in_flight=settings.max_in_flight,
             min_signal_rate=SchedulerConfig().min_signal_rate,
+            signal_share_floor=SchedulerConfig().signal_share_floor,
             advantage_norm=learner_cfg.advantage_norm)
         self.loop = ReferenceLoop(
             loop_settings, domains, Trainer(learner_cfg, sft), generate=self.generate,

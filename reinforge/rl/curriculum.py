@@ -291,7 +291,8 @@ def mix_probabilities(
 ) -> dict[str, float]:
     """Sampling probability of each eligible domain.
 
-    p_d = w_d * boost_d, normalised over eligible domains with w_d > 0; then each critical
+    p_d = w_d * boost_d (a factor per domain: the scheduler's is its regression boost times
+    its floored signal rate), normalised over eligible domains with w_d > 0; then each critical
     domain d with a floor f_d (replay of critical domains) gets max(p_d, f_d) and the
     others are scaled down to make room. Floors of ineligible domains are ignored.
     """

@@ -46,6 +46,7 @@ from reinforge.rl.curriculum import (
     CurriculumConfig,
     DomainCurriculum,
     draw_domain,
+    floored_signal_rate,
     group_has_signal,
     issue_budget,
     mix_probabilities,
@@ -74,6 +75,8 @@ class LoopSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Tasks drawn per round at most."""
     min_signal_rate: float
     """Floor on a domain's signal rate when sizing a round (the scheduler's)."""
+    signal_share_floor: float
+    """Floor on a domain's signal rate as its factor in the mix (the scheduler's)."""
     advantage_norm: AdvantageNorm
     """How a group's centred rewards are scaled (see reinforge.rl.grpo)."""
     keep_checkpoints: int = 2
@@ -182,9 +185,15 @@ class TaskDraw:
         self.curricula = {name: DomainCurriculum.new(CurriculumConfig(), len(d.tiers))
                           for name, d in self.domains.items()}
         self.signal_rates = dict.fromkeys(self.domains, SIGNAL_PRIOR)
-        self.mix = mix_probabilities(dict.fromkeys(self.domains, 1.0))
+        self.mix = self._mix()
         self.rng = random.Random(settings.seed)
         self.issued = 0
+
+    def _mix(self) -> dict[str, float]:
+        """Equal weights, each times its domain's signal rate (floored), as the scheduler's."""
+        floor = self.settings.signal_share_floor
+        return mix_probabilities(dict.fromkeys(self.domains, 1.0), boosts={
+            d: floored_signal_rate(r, floor) for d, r in self.signal_rates.items()})
 
     def tasks(self, missing_groups: int) -> list[Task]:
         s = self.settings
@@ -213,6 +222,7 @@ class TaskDraw:
         name, tier = group[0].rollout.domain, group[0].rollout.tier
         self.signal_rates[name] = updated_signal_rate(self.signal_rates[name],
                                                       group_has_signal(rewards))
+        self.mix = self._mix()
         self.curricula[name].record(tier, sum(rewards) / len(rewards))
 
 

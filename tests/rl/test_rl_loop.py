@@ -39,7 +39,7 @@ INFRA = None
 
 def loop_settings(**overrides) -> LoopSettings:
     base = {"group_size": 4, "groups_per_version": 2, "max_in_flight": 3, "min_signal_rate": 0.05,
-            "advantage_norm": AdvantageNorm.GROUP_STD}
+            "signal_share_floor": 0.1, "advantage_norm": AdvantageNorm.GROUP_STD}
     return LoopSettings(**{**base, **overrides})
 
 
@@ -184,6 +184,21 @@ def test_the_draw_issues_the_tasks_expected_to_fill_the_missing_groups():
     assert [t.task_id.rsplit("@", 1)[1] for t in tasks] == ["11", "12", "13", "14"]
     assert {(t.domain, t.group_size) for t in tasks} == {("math", 4)}
     assert all(t.prompt.endswith("End with '#### <answer>'.") for t in tasks)
+
+
+def test_the_draw_moves_its_mix_to_the_domain_whose_groups_carry_signal():
+    registry = DomainRegistry.default()
+    draw = TaskDraw({d: registry.get(d) for d in ("math", "docqa")}, loop_settings())
+    assert draw.mix == {"math": 0.5, "docqa": 0.5}
+    for _ in range(60):
+        for domain, rewards in (("math", SIGNAL), ("docqa", FLAT)):
+            draw.record([scored(Rollout(
+                rollout_id=f"t:{k}:1", task_id="t", sample_index=k, domain=domain, tier=0,
+                prompt="p", completion="c", output_ids=[1], logprobs=[-1.0], spec={},
+                group_size=4), reward) for k, reward in enumerate(rewards)])
+    # math's rate near 1, docqa's at the floor (0.1): shares 1 / 1.1 and 0.1 / 1.1
+    assert draw.mix["docqa"] == pytest.approx(0.1 / (0.1 + draw.signal_rates["math"]))
+    assert draw.mix["docqa"] < 0.1
 
 
 # ----------------------------------------------------------------------------- end to end
