@@ -17,6 +17,11 @@ Multi-turn domains also implement `start_episode(task)`, returning an
 `Episode` whose `step(action)` answers `(observation, done)` and whose
 `finish()` gives the verdict.
 
+A domain whose prompts are one template with a few slots (two tasks differ in a file name
+or two) sets `templated_prompts = True` (optional; default False). Every n-gram of such a
+held-out prompt turns up somewhere among the training prompts, so the evaluator's n-gram
+test would call all of them contaminated: for these it counts only an exact copy.
+
 Wire format: `TaskSpec` and `Verdict` travel in NATS messages (msgpack). The
 domain-specific part of a task is `TaskSpec.spec`, a plain mapping that each
 domain converts to its own typed Struct (`msgspec.convert`). Evolve these
@@ -176,6 +181,12 @@ class Domain(Protocol):
     def prompt(self, task: TaskSpec) -> str: ...
 
     async def verify(self, task: TaskSpec, completion: str) -> Verdict: ...
+
+
+def templated_prompts(domain: Domain) -> bool:
+    """Whether only an exact copy of one of `domain`'s held-out prompts is contamination
+    (see the module docstring)."""
+    return bool(getattr(domain, "templated_prompts", False))
 
 
 def check_tier(domain: Domain, tier: int) -> None:

@@ -402,6 +402,7 @@ class TerminalDomain:
     resource = "sandbox"
     multi_turn = True
     tools = (BASH,)
+    templated_prompts = True  # tasks of a tier differ in a name or two (envs/domain.py)
     tiers = (
         Tier(level=0, name="create-file", description="create one file with given content"),
         Tier(level=1, name="move-or-count", description="mkdir + mv, or count lines into a file"),

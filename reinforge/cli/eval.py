@@ -117,7 +117,7 @@ async def _eval(args: argparse.Namespace, domains: list[str], samples: int, held
     from reinforge.actors.evaluator import ServerSource, answer_prior, evaluate_sets
     from reinforge.engine.tokenizer import load_tokenizer
     from reinforge.rollout.client import RolloutClient, RolloutServerUnavailable
-    from reinforge.envs.domain import DomainRegistry
+    from reinforge.envs.domain import DomainRegistry, templated_prompts
     from reinforge.rl.episodes import domain_tools
 
     from reinforge.cli import UserError
@@ -138,8 +138,10 @@ async def _eval(args: argparse.Namespace, domains: list[str], samples: int, held
     if train:
         prompts = [(f"{path}:{t.task_id}", t.prompt)
                    for d, path in train.items() for t in registry.get(d).load_tasks(path)]
-        report = check_contamination(prompts, [(t.task_id, t.prompt) for ts in sets.values()
-                                               for t in ts])
+        report = check_contamination(
+            prompts, [(t.task_id, t.prompt) for ts in sets.values() for t in ts],
+            exact_only=[t.task_id for d, ts in sets.items() if templated_prompts(doms[d])
+                        for t in ts])
         if not report.clean:
             raise UserError("contaminated held-out set: " + report.summary())
         print(report.summary(), file=out)

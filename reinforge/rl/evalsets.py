@@ -14,7 +14,9 @@ lower-cased word/punctuation tokens):
     are ignored;
   * an eval prompt is contaminated when its normalised text equals a training prompt's, or
     when at least `min_overlap` of its remaining n-grams occur in training prompts. A
-    prompt shorter than n tokens counts as one n-gram (the whole prompt).
+    prompt shorter than n tokens counts as one n-gram (the whole prompt). A templated
+    domain's prompts (`envs/domain.py`) count only when copied exactly: their n-grams are
+    all found across its other tasks.
 The evaluator refuses to start on a contaminated set (`ContaminationError`).
 """
 
@@ -222,15 +224,18 @@ class ContaminationChecker:
         *,
         n: int = 13,
         min_overlap: float = 0.5,
+        exact_only: Iterable[str] = (),
         boilerplate_frac: float = 0.1,
         boilerplate_min_prompts: int = 4,
     ) -> None:
+        """`exact_only`: eval ids checked for an exact copy only (a templated domain's)."""
         if n < 1:
             raise ValueError(f"n-gram size must be >= 1, got {n}")
         if not 0.0 < min_overlap <= 1.0:
             raise ValueError(f"min_overlap must be in (0, 1], got {min_overlap}")
         self.n = n
         self.min_overlap = min_overlap
+        self.exact_only = set(exact_only)
         self.boilerplate_frac = boilerplate_frac
         self.boilerplate_min_prompts = boilerplate_min_prompts
         self.evals = [(eid, tokens(p)) for eid, p in evals]
@@ -268,6 +273,8 @@ class ContaminationChecker:
             if self.exact.get(key):
                 overlaps.append(Overlap(eval_id=eid, train_id=self.exact[key], overlap=1.0,
                                         exact=True, example=" ".join(toks[: self.n])))
+                continue
+            if eid in self.exact_only:
                 continue
             content = grams - boiler
             shared = [g for g in content if g in self.owner]

@@ -163,6 +163,31 @@ def test_shared_template_text_alone_is_not_contamination():
     assert check_contamination(train, evals).clean
 
 
+def test_a_templated_domain_s_sibling_tasks_are_not_contamination_but_a_copy_is():
+    """terminal's prompts differ in a file name or two: across the scheduler's training
+    tasks (none of them held out) every n-gram of a held-out prompt turns up, which the
+    n-gram test called contamination (an evaluator on a tools demo refused to start). For
+    a templated domain only an exact copy counts."""
+    from reinforge.envs.domain import templated_prompts
+
+    reg = DomainRegistry.default()
+    terminal = reg.get("terminal")
+    held = build_heldout(reg, ["terminal"], HeldOutConfig(tasks_per_tier=5))["terminal"]
+    evals = [(t.task_id, t.prompt) for t in held]
+    fps = {fingerprint(p) for _, p in evals}
+    rng = random.Random(7)
+    train = [(t.task_id, t.prompt) for t in (terminal.sample_task(rng, i % 4) for i in range(200))
+             if fingerprint(t.prompt) not in fps]
+    exact_only = [eid for eid, _ in evals] if templated_prompts(terminal) else []
+    assert exact_only and not templated_prompts(reg.get("math"))
+    assert not check_contamination(train, evals).clean  # the n-gram test: siblings flagged
+    assert check_contamination(train, evals, exact_only=exact_only).clean
+    leak = [*train, ("copy", "  " + held[7].prompt.upper())]
+    report = check_contamination(leak, evals, exact_only=exact_only)
+    assert [(o.eval_id, o.train_id, o.exact) for o in report.overlaps] == [
+        (held[7].task_id, "copy", True)]
+
+
 def test_held_out_sets_are_deterministic_and_free_of_duplicates():
     reg = DomainRegistry.default()
     a = build_heldout(reg, ["math", "code"], HELD)
