@@ -495,7 +495,8 @@ class Evaluator(Actor):
             [(t.task_id, t.prompt) for ts in self.sets.values() for t in ts],
             n=cfg.contamination_n, min_overlap=cfg.contamination_min_overlap,
             exact_only=[t.task_id for d, ts in self.sets.items()
-                        if templated_prompts(self.domains[d]) for t in ts],
+                        if templated_prompts(self.domains[d]) and d not in cfg.heldout.files
+                        for t in ts],
         )
         await self._feed_training_prompts(checker)
         report = checker.report()

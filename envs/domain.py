@@ -19,8 +19,9 @@ Multi-turn domains also implement `start_episode(task)`, returning an
 
 A domain whose prompts are one template with a few slots (two tasks differ in a file name
 or two) sets `templated_prompts = True` (optional; default False). Every n-gram of such a
-held-out prompt turns up somewhere among the training prompts, so the evaluator's n-gram
-test would call all of them contaminated: for these it counts only an exact copy.
+generated held-out prompt turns up somewhere among the training prompts, so the evaluator's
+n-gram test would call all of them contaminated: for these it counts only an exact copy. A
+held-out set read from a file (people's own prompts) still gets the n-gram test.
 
 Wire format: `TaskSpec` and `Verdict` travel in NATS messages (msgpack). The
 domain-specific part of a task is `TaskSpec.spec`, a plain mapping that each

@@ -386,6 +386,29 @@ def test_the_evaluator_refuses_to_start_on_a_contaminated_training_file(tmp_path
         args.func(args)
 
 
+def test_a_templated_domain_s_held_out_file_still_gets_the_n_gram_test(tmp_path):
+    """People's own held-out prompts are free text: a training row that rewords one of them
+    (one word changed) is contamination, templated domain or not."""
+    row = {"instruction": "Collect every log line that mentions a timeout from app.log and "
+                          "write them, oldest first, into timeouts.txt for the on-call team.",
+           "files": {"app.log": "x\n"},
+           "checks": [{"kind": "file_exists", "path": "timeouts.txt"}], "tier": 0}
+    held, train = tmp_path / "held.jsonl", tmp_path / "train.jsonl"
+    held.write_text(json.dumps(row) + "\n")
+    train.write_text(json.dumps({**row, "instruction": row["instruction"].replace(
+        "on-call team", "night shift")}) + "\n")
+    parser = argparse.ArgumentParser(prog="reinforge")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["eval", "--model", str(tmp_path), "--domains", "terminal",
+                              "--heldout-file", f"terminal={held}",
+                              "--train-file", f"terminal={train}"])
+    (tmp_path / "config.json").write_text("{}")
+    from reinforge.cli import UserError
+
+    with pytest.raises(UserError, match="contaminated held-out set: 1 of 1 eval prompts"):
+        args.func(args)
+
+
 def test_reinforge_eval_rejects_k_larger_than_samples_and_a_missing_model(tmp_path):
     from reinforge.cli import UserError
 
