@@ -170,6 +170,15 @@ if service_up; then
     fi
 fi
 if ! service_up; then
+    # A machine restored without its processes (while /run survived) leaves Podman's runtime
+    # state saying containers run, with their conmons and the pause process (the user
+    # namespace) gone: every podman command then fails with "invalid internal status".
+    # `podman system migrate` marks those containers stopped and starts a fresh namespace.
+    info_err="$(as_user podman info 2>&1 >/dev/null || true)"
+    if [[ "$info_err" == *"invalid internal status"* ]]; then
+        log "Podman's processes are gone but $RUNDIR says they run: podman system migrate"
+        as_user podman system migrate >/dev/null 2>&1 || die "podman system migrate failed"
+    fi
     log "starting podman system service at $SOCK"
     as_user mkdir -p "$RUNDIR/podman"
     rm -f "$SOCK"
