@@ -54,6 +54,7 @@ from reinforge.rl.evalsets import (
     ContaminationChecker,
     HeldOutConfig,
     build_heldout,
+    exact_only_ids,
     modal_references,
     require_clean,
 )
@@ -86,7 +87,7 @@ from reinforge.core.messages import (
     decode,
 )
 from reinforge.engine.tokenizer import load_tokenizer
-from reinforge.envs.domain import TaskSpec, gold_of, templated_prompts
+from reinforge.envs.domain import TaskSpec, gold_of
 from reinforge.envs.tools import episode_counts, policy_turns
 
 
@@ -494,9 +495,7 @@ class Evaluator(Actor):
         checker = ContaminationChecker(
             [(t.task_id, t.prompt) for ts in self.sets.values() for t in ts],
             n=cfg.contamination_n, min_overlap=cfg.contamination_min_overlap,
-            exact_only=[t.task_id for d, ts in self.sets.items()
-                        if templated_prompts(self.domains[d]) and d not in cfg.heldout.files
-                        for t in ts],
+            exact_only=exact_only_ids(self.sets, self.domains, cfg.heldout),
         )
         await self._feed_training_prompts(checker)
         report = checker.report()

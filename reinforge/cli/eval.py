@@ -113,11 +113,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 async def _eval(args: argparse.Namespace, domains: list[str], samples: int, heldout: Any) -> int:
     import trio
-    from reinforge.rl.evalsets import build_heldout, check_contamination
+    from reinforge.rl.evalsets import build_heldout, check_contamination, exact_only_ids
     from reinforge.actors.evaluator import ServerSource, answer_prior, evaluate_sets
     from reinforge.engine.tokenizer import load_tokenizer
     from reinforge.rollout.client import RolloutClient, RolloutServerUnavailable
-    from reinforge.envs.domain import DomainRegistry, templated_prompts
+    from reinforge.envs.domain import DomainRegistry
     from reinforge.rl.episodes import domain_tools
 
     from reinforge.cli import UserError
@@ -140,8 +140,7 @@ async def _eval(args: argparse.Namespace, domains: list[str], samples: int, held
                    for d, path in train.items() for t in registry.get(d).load_tasks(path)]
         report = check_contamination(
             prompts, [(t.task_id, t.prompt) for ts in sets.values() for t in ts],
-            exact_only=[t.task_id for d, ts in sets.items()
-                        if templated_prompts(doms[d]) and d not in heldout.files for t in ts])
+            exact_only=exact_only_ids(sets, doms, heldout))
         if not report.clean:
             raise UserError("contaminated held-out set: " + report.summary())
         print(report.summary(), file=out)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from reinforge.engine.kernel_choice import BACKENDS
+
 
 def register(subparsers: Any) -> None:
     serve = subparsers.add_parser(
@@ -32,7 +34,7 @@ def register(subparsers: Any) -> None:
     serve.add_argument(
         "--kernel-backend",
         default="auto",
-        choices=["auto", "tvm", "torch"],
+        choices=BACKENDS,
         help="paged-KV ops, packed-weight products, RMSNorm and RoPE: TVM-compiled, torch, "
              "or auto (TVM where it compiles)",
     )

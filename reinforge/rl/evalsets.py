@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
-from reinforge.envs.domain import TaskSpec
+from reinforge.envs.domain import TaskSpec, templated_prompts
 
 _TOKEN_RE = re.compile(r"\w+|[^\w\s]+")
 
@@ -155,6 +155,16 @@ def modal_references(domain: Any, tiers: Iterable[int], *, draws: int = 64,
 
 def heldout_fingerprints(sets: Mapping[str, Sequence[TaskSpec]]) -> dict[str, set[str]]:
     return {d: {fingerprint(t.prompt) for t in tasks} for d, tasks in sets.items()}
+
+
+def exact_only_ids(sets: Mapping[str, Sequence[TaskSpec]], domains: Mapping[str, Any],
+                   heldout: HeldOutConfig) -> list[str]:
+    """The held-out ids checked for an exact copy only: a templated domain's generated
+    prompts share their template with every training prompt, so n-gram overlap means nothing
+    there. A held-out set read from `heldout.files` (people's own prompts) keeps the n-gram
+    test."""
+    return [t.task_id for d, tasks in sets.items()
+            if templated_prompts(domains[d]) and d not in heldout.files for t in tasks]
 
 
 # ----------------------------------------------------------------------------- contamination
