@@ -3,9 +3,10 @@
 What is timed is the scheduler actor's own planning code (`Scheduler._plan`: the issue
 budget, the mix's probabilities, the domain draw, the tier choice, the lease), one batch of
 `--batch` new tasks at a time, on D synthetic domains of 5 tiers each whose task generator
-costs next to nothing (so the figure is the scheduler's, not a domain's). Also: the time
-to join D domains, the peak memory of joining and planning (tracemalloc), and the size of
-the saved state. The bus is not involved.
+costs next to nothing (so the figure is the scheduler's, not a domain's), with tracemalloc
+off. Also: the time to join D domains, the peak memory of joining and planning one batch
+(tracemalloc, in a pass of its own), and the size of the saved state. The bus is not
+involved.
 
 Baseline in the same run: the smallest D; each row reports its ratio to it (how planning
 grows). `--domains 100,1000,10000` by default.
@@ -73,21 +74,29 @@ def scheduler_with(n_domains: int, batch: int, tmp: str):
     return sched, time.perf_counter() - t0
 
 
+def plan_once(sched) -> float:
+    """Seconds to plan one batch, with no task in flight."""
+    sched.state.leases.clear()
+    t0 = time.perf_counter()
+    planned = list(sched._plan(0.0))
+    elapsed = time.perf_counter() - t0
+    if len(planned) != sched.config.max_in_flight:
+        raise RuntimeError(f"planned {len(planned)} tasks, wanted {sched.config.max_in_flight}")
+    return elapsed
+
+
 def measure(n_domains: int, batch: int, repeats: int, tmp: str) -> dict:
+    """Memory with tracemalloc on (joining and one batch), then time on a fresh scheduler
+    with it off: tracing every allocation slows Python code several times over, and the
+    scheduler never runs under it."""
     import msgspec
 
     tracemalloc.start()
-    sched, join_s = scheduler_with(n_domains, batch, tmp)
-    times = []
-    for _ in range(repeats):
-        sched.state.leases.clear()
-        t0 = time.perf_counter()
-        planned = list(sched._plan(0.0))
-        times.append(time.perf_counter() - t0)
-        if len(planned) != batch:
-            raise RuntimeError(f"planned {len(planned)} tasks, wanted {batch}")
+    plan_once(scheduler_with(n_domains, batch, tmp)[0])
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
+    sched, join_s = scheduler_with(n_domains, batch, tmp)
+    times = [plan_once(sched) for _ in range(repeats)]
     return {"domains": n_domains, "plan_batch_ms": statistics.median(times) * 1e3,
             "plan_per_task_us": statistics.median(times) / batch * 1e6,
             "join_s": join_s, "peak_mib": peak / 2**20,
