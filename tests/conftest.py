@@ -86,6 +86,12 @@ def _drop_the_streams_a_test_made(request: pytest.FixtureRequest):
         yield
 
 
+@pytest.fixture
+def root() -> None:
+    """For tests that set up the machine itself (users, services), as CI does: as root."""
+    require(os.geteuid() == 0, "this test sets up the machine and needs root")
+
+
 @pytest.fixture(scope="session")
 def podman_url() -> str:
     from reinforge.envs.sandbox.box import DEFAULT_IMAGE, SandboxInfraError, connect, default_podman_url

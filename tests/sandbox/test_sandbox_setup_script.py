@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import require
-
 from reinforge.envs.sandbox.box import DEFAULT_IMAGE as IMAGE, Sandbox, SandboxConfig
 
 pytestmark = [pytest.mark.podman, pytest.mark.slow]
@@ -49,8 +47,8 @@ def as_user(uid: int, *argv: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture
-def throwaway_user():
-    require(os.geteuid() == 0, "setup_podman.sh creates its user only as root")
+def throwaway_user(root):
+    """setup_podman.sh creates its user only as root."""
     yield
     try:
         uid = pwd.getpwnam(USER).pw_uid
