@@ -503,10 +503,8 @@ class SamplerActor(Actor):
             self.version = min(served)
             self.policy = PolicyVersion(version=self.version, epoch=self.policy.epoch)
             await self.catch_up_weights()
-        for r in rollouts:
-            await self.ctx.publish_durable(
-                subjects.rollout(self.ctx.run, msg.domain), r, msg_id=r.rollout_id
-            )
+        subject = subjects.rollout(self.ctx.run, msg.domain)
+        await self.ctx.publish_durable_many([(subject, r, r.rollout_id) for r in rollouts])
         self.samples += len(rollouts)
         self.tasks_done += 1
 

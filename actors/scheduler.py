@@ -570,11 +570,9 @@ class Scheduler(Actor):
                 # (the server's duplicate window would swallow the new task).
                 self._dirty = True
                 self._persist_if_due(force=True)
-            for task in tasks:
-                await self.ctx.publish_durable(
-                    subjects.task(self.ctx.run, task.domain), task,
-                    msg_id=f"task:{task.task_id}:{task.attempt}",
-                )
+            await self.ctx.publish_durable_many(
+                [(subjects.task(self.ctx.run, t.domain), t, f"task:{t.task_id}:{t.attempt}")
+                 for t in tasks])
             await self._save_then_ack()
             with trio.move_on_after(self.config.tick_s):
                 with self.ctx.waiting("group outcomes or the next tick"):

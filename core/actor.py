@@ -120,10 +120,12 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 class Ticket:
     """Settle one durable delivery by hand (manual_ack inputs)."""
 
-    __slots__ = ("_consumer", "delivery", "settled")
+    __slots__ = ("_consumer", "_acks", "delivery", "settled")
 
-    def __init__(self, consumer: PullConsumer, delivery: Delivery) -> None:
+    def __init__(self, consumer: PullConsumer, delivery: Delivery,
+                 acks: _AckBatcher | None = None) -> None:
         self._consumer = consumer
+        self._acks = acks  # acks of handlers finishing together share one bridge crossing
         self.delivery = delivery
         self.settled = False
 
@@ -138,7 +140,10 @@ class Ticket:
     async def ack(self) -> None:
         if not self.settled:
             self.settled = True
-            await self._consumer.ack([self.delivery])
+            if self._acks is not None:
+                await self._acks.ack(self.delivery)
+            else:
+                await self._consumer.ack([self.delivery])
 
     async def nak(self, delay_s: float | None = None) -> None:
         if not self.settled:
@@ -195,6 +200,12 @@ class ActorContext:
         with self.waiting(f"ack from the bus for {subject}", deadline_s=120):
             await self.bus.publish_durable(subject, msg, msg_id, headers=self._origin)
         self.counts["msgs_out"] += 1
+
+    async def publish_durable_many(self, items: list[tuple[str, Any, str]]) -> None:
+        """Store several `(subject, msg, msg_id)` in order, in one trip to the bus."""
+        with self.waiting(f"ack from the bus for {len(items)} messages", deadline_s=120):
+            await self.bus.publish_durable_many(items, headers=self._origin)
+        self.counts["msgs_out"] += len(items)
 
     async def dead_letter(
         self, subject: str, data: bytes, reason: str, *, stream_seq: int = 0, deliveries: int = 0
@@ -537,7 +548,7 @@ class _Runner:
             await consumer.term([d])
             return
         ctx.counts["msgs_in"] += 1
-        ticket = Ticket(consumer, d) if inp.manual_ack else None
+        ticket = Ticket(consumer, d, acks) if inp.manual_ack else None
         try:
             if ticket is not None:
                 await inp.handler(msg, ticket)
@@ -603,6 +614,7 @@ class _AckBatcher:
     def __init__(self, consumer: PullConsumer) -> None:
         self._consumer = consumer
         self._pending: list[Delivery] = []
+        self._pending_sent = trio.Event()  # set once the acks now pending are sent
         self._sending = False
         self._wakeup = trio.Event()
         self._drained = trio.lowlevel.ParkingLot()
@@ -611,16 +623,24 @@ class _AckBatcher:
         self._pending.append(d)
         self._wakeup.set()
 
+    async def ack(self, d: Delivery) -> None:
+        """Ack `d` with whatever else is pending; return once it has been sent."""
+        sent = self._pending_sent
+        self.add(d)
+        await sent.wait()
+
     async def run(self) -> None:
         while True:
             await self._wakeup.wait()
             self._wakeup = trio.Event()
             while self._pending:
                 batch, self._pending = self._pending, []
+                sent, self._pending_sent = self._pending_sent, trio.Event()
                 self._sending = True
                 with trio.CancelScope(shield=True):
                     await self._consumer.ack(batch)
                 self._sending = False
+                sent.set()
             self._drained.unpark_all()
 
     async def flush(self) -> None:

@@ -70,8 +70,10 @@ class BusStatistics(msgspec.Struct, frozen=True, kw_only=True):
     published: int
     received: int
     durable_published: int
+    durable_trips: int  # batches sent to the server: fewer than published when they share one
     durable_retries: int
     durable_duplicates: int
+    settle_trips: int  # crossings to ack/nak deliveries: fewer than deliveries when batched
     slow_consumer_drops: int
     reconnects: int
     disconnects: int
@@ -156,8 +158,10 @@ class Bus:
             published=c["published"],
             received=c["received"],
             durable_published=c["durable_published"],
+            durable_trips=c["durable_trips"],
             durable_retries=c["durable_retries"],
             durable_duplicates=c["durable_duplicates"],
+            settle_trips=c["settle_trips"],
             slow_consumer_drops=c["slow_consumer_drops"],
             reconnects=c["reconnects"],
             disconnects=c["disconnects"],
@@ -230,14 +234,28 @@ class Bus:
     async def publish_durable_raw(
         self, subject: str, data: bytes, msg_id: str, headers: dict[str, str] | None = None
     ) -> PubAck:
-        req = _DurableRequest(subject, data, msg_id, headers or {})
-        self._durable.append(req)
+        return (await self._store([_DurableRequest(subject, data, msg_id, headers or {})]))[0]
+
+    async def publish_durable_many(
+        self, items: Sequence[tuple[str, Any, str]], headers: dict[str, str] | None = None
+    ) -> list[PubAck]:
+        """`publish_durable` for each `(subject, msg, msg_id)`, stored in this order and sent
+        together: one trip to the server for all, where awaiting each in turn costs one per
+        message. Every message is tried; the first failure is raised once all are done."""
+        return await self._store([_DurableRequest(subject, encode(msg), msg_id, headers or {})
+                                  for subject, msg, msg_id in items])
+
+    async def _store(self, reqs: list[_DurableRequest]) -> list[PubAck]:
+        if not reqs:
+            return []
+        self._durable.extend(reqs)
         self._durable_wakeup.set()
-        await req.done.wait()
-        if req.error is not None:
-            raise req.error
-        assert req.result is not None
-        return req.result
+        for req in reqs:
+            await req.done.wait()
+        for req in reqs:
+            if req.error is not None:
+                raise req.error
+        return [req.result for req in reqs]
 
     async def _durable_pump(self) -> None:
         while True:
@@ -247,6 +265,7 @@ class Bus:
             if not batch:
                 continue
             results = await self.aio(self._aio_publish_durable_batch)(batch)
+            self.count("durable_trips")
             for req, res in zip(batch, results):
                 if isinstance(res, BaseException):
                     req.error = res
@@ -698,6 +717,7 @@ class PullConsumer:
 
         if not deliveries:
             return 0
+        self._bus.count("settle_trips")
         failed = await self._bus.aio(settle_all)()
         if failed:
             self._bus.count("settle_failures", failed)

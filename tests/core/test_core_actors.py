@@ -174,3 +174,44 @@ def test_one_input_over_several_subjects_takes_only_those_within_one_concurrency
     trio.run(main)
     assert sorted(TwoSubjectEcho.handled) == sorted((n, i) for n in "ab" for i in range(30))
     assert TwoSubjectEcho.peak <= 2
+
+
+class HandAckEcho(Actor):
+    """Acks each message by hand (a Ticket), all eight handlers at the same moment."""
+
+    actor_type = "hand-ack-echo"
+    acked: list[int] = []
+
+    def inputs(self):
+        return [Input(subject=subjects.echo(self.ctx.run, "hand"), handler=self.on_echo,
+                      accepts=(m.Echo,), manual_ack=True, concurrency=8, batch=8)]
+
+    async def on_echo(self, msg, ticket):
+        await ticket.ack()
+        type(self).acked.append(msg.seq)
+
+
+def test_tickets_acked_together_share_a_crossing_and_none_comes_back(creds, run_name):
+    async def main():
+        async with open_bus(creds) as bus:
+            await bus.ensure_run_stream(run_name)
+            await bus.publish_durable_many([(subjects.echo(run_name, "hand"), m.Echo(seq=i),
+                                             f"hand{i}") for i in range(8)])
+            async with trio.open_nursery() as nursery:
+                ctx = await nursery.start(functools.partial(
+                    run_actor, HandAckEcho, creds=creds, run=run_name))
+                with trio.fail_after(30):
+                    while len(HandAckEcho.acked) < 8:
+                        await trio.sleep(0.05)
+                trips = ctx.bus.statistics().settle_trips
+                # asked on the actor's own connection, so after its acks: none is pending
+                subject = subjects.echo(run_name, "hand")
+                info = await ctx.bus.consumer_info(
+                    ctx.stream, subjects.durable_name(run_name, HandAckEcho.actor_type, subject))
+                ctx.stop_requested.set()
+            return trips, info
+
+    trips, info = trio.run(main)
+    assert sorted(HandAckEcho.acked) == list(range(8))
+    assert info.num_ack_pending == 0 and info.delivered.consumer_seq == 8
+    assert 1 <= trips < 8

@@ -69,6 +69,27 @@ def test_durable_publish_deduplicates_a_retry_with_the_same_id(creds, run_name):
     trio.run(main)
 
 
+def test_many_durable_messages_go_in_order_in_one_trip_to_the_server(creds, run_name):
+    async def main():
+        async with open_bus(creds) as bus:
+            stream = await bus.ensure_run_stream(run_name)
+            subj = subjects.echo(run_name, "many")
+            acks = await bus.publish_durable_many(
+                [(subj, m.Echo(seq=i), f"many-{i}") for i in range(8)])
+            assert [a.seq for a in acks] == sorted(a.seq for a in acks)
+            stats = bus.statistics()
+            assert stats.durable_published == 8 and stats.durable_trips == 1
+            async with bus.pull_consumer(stream=stream, durable="many", filter_subject=subj) as c:
+                got = await c.fetch(8, timeout_s=2)
+            assert [m.decode(d.data).seq for d in got] == list(range(8))
+            # awaited one by one, the same messages take a trip each
+            for i in range(8):
+                await bus.publish_durable(subj, m.Echo(seq=i), f"one-{i}")
+            assert bus.statistics().durable_trips == 1 + 8
+
+    trio.run(main)
+
+
 def test_unacked_deliveries_come_back_after_ack_wait_and_naks_come_back_at_once(creds, run_name):
     async def main():
         async with open_bus(creds) as bus:
