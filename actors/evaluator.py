@@ -19,8 +19,9 @@ the regression guard that rolls a bad version back.
   a share near 1 and a pass@1 no better than the constant's.
 * Regression guard: a version with a domain below its `thresholds` entry, or whose pass@1
   fell against that domain's baseline (its scores at the last good version that evaluated
-  it) by more than `drop_margin` with a one-sided sign test on the shared tasks at
-  p < `drop_alpha` (a test on counts, not a threshold on noisy pass rates), triggers a
+  it) by more than `drop_margin` with a one-sided exact test on the shared tasks'
+  samples, stratified by task (`scoring.drop_test`), at p < `drop_alpha` (a test on
+  counts, not a threshold on noisy pass rates), triggers a
   `Rollback` to the last good version (msg_id f"rollback:{to}:{bad}"); it is said loudly on
   stderr. Without a good version to go back to, it says so and publishes nothing.
 * Over-optimisation: in a domain whose verdicts carry a `gold` check (a rule its learned
@@ -67,6 +68,7 @@ from reinforge.rl.scoring import (
     mean_or_none,
     paired_delta,
     score_domain,
+    smallest_drop_p,
 )
 from reinforge.core import paths, policy_version, subjects
 from reinforge.core.policy_version import PolicyVersion
@@ -106,8 +108,9 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     thresholds: dict[str, float] = {}
     """Minimum pass@1 per domain; below it, the version is rolled back."""
     drop_alpha: float = 0.01
-    """A fall of pass@1 against the domain's baseline counts when the sign test on the
-    shared held-out tasks gives p below this (0: no such guard)."""
+    """A fall of pass@1 against the domain's baseline counts when the exact test on the
+    shared held-out tasks' samples (`scoring.drop_test`) gives p below this (0: no such
+    guard). Too few tasks and samples cannot reach it: the evaluator says so at start."""
     drop_margin: float = 0.05
     """... and the mean fall is larger than this."""
     reward_model: str | list[str] = ""
@@ -301,6 +304,9 @@ class Baseline(msgspec.Struct, frozen=True, kw_only=True):
 
     version: int
     task_pass_at_1: dict[str, float]
+    task_counts: dict[str, tuple[int, int]] = {}
+    """(passed, verified) samples per task ({} in a state file written before they were
+    kept: the drop test then falls back to the sign test)."""
     task_reward: dict[str, float] = {}
     task_gold: dict[str, float] = {}
     path: str = ""
@@ -308,7 +314,8 @@ class Baseline(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def of(cls, version: int, score: DomainScore, path: str = "") -> Baseline:
         return cls(version=version, task_pass_at_1=score.task_pass_at_1,
-                   task_reward=score.task_reward, task_gold=score.task_gold, path=path)
+                   task_counts=score.task_counts, task_reward=score.task_reward,
+                   task_gold=score.task_gold, path=path)
 
     def gold(self) -> float:
         return mean_or_none(self.task_gold.values()) or 0.0
@@ -328,9 +335,10 @@ def regression_rollback(
 ) -> tuple[list[str], Rollback | None]:
     """(domains that regressed, the Rollback to publish or None). A domain regresses when
     it is below its threshold, or (with `drop_alpha` > 0) its pass@1 fell against its
-    baseline by more than `drop_margin` with a sign test at p < `drop_alpha`, or (with
-    `gold_alpha` > 0, in a domain with a gold peak) its mean reward rose while its gold pass
-    rate fell against the peak by more than `drop_margin`, sign test p < `gold_alpha`:
+    baseline by more than `drop_margin` with the test on the counts (`drop_test`) at
+    p < `drop_alpha`, or (with `gold_alpha` > 0, in a domain with a gold peak) its mean
+    reward rose while its gold pass rate fell against the peak by more than `drop_margin`,
+    sign test on the tasks p < `gold_alpha`:
     over-optimised, and the rollback goes back to the peak if it is older than the last
     good version.
 
@@ -344,11 +352,12 @@ def regression_rollback(
             why[d] = f"{d} pass@1 {s.pass_at_1:.3f} < {thresholds[d]:.3f}"
         base = (baselines or {}).get(d)
         if drop_alpha and base is not None and base.version < version and d not in why:
-            t = drop_test(base.task_pass_at_1, s.task_pass_at_1)
+            t = drop_test(base.task_pass_at_1, s.task_pass_at_1, base.task_counts,
+                          s.task_counts)
             if t.p_value < drop_alpha and t.delta < -drop_margin:
                 why[d] = (f"{d} pass@1 fell {-t.delta:.3f} since v{base.version} on "
-                          f"{t.n_tasks} tasks ({t.worse} worse, {t.better} better; sign test "
-                          f"p={t.p_value:.2g})")
+                          f"{t.n_tasks} tasks ({t.worse} worse, {t.better} better; test on "
+                          f"the counts p={t.p_value:.2g})")
         peak = (gold_peaks or {}).get(d)
         if gold_alpha and peak is not None and peak.version < version and d not in why:
             g = drop_test(peak.task_gold, s.task_gold)
@@ -384,6 +393,24 @@ def gold_peaks_after(peaks: Mapping[str, Baseline], good: WeightsPublished,
         if s.gold_pass_rate is not None and (d not in out or s.gold_pass_rate >= out[d].gold()):
             out[d] = Baseline.of(good.version, s, good.path)
     return out
+
+
+def drop_guard_blind(sets: Mapping[str, Sequence[TaskSpec]], cfg: EvaluatorConfig) -> str:
+    """What to say when the drop test cannot reach `drop_alpha` on some domains' scored
+    tasks and samples (`scoring.smallest_drop_p`), "" when it can on all of them."""
+    if not cfg.drop_alpha:
+        return ""
+    samples = cfg.samples or cfg.k
+    blind = sorted(d for d, tasks in sets.items()
+                   if smallest_drop_p(len(tasks), samples) >= cfg.drop_alpha)
+    if not blind:
+        return ""
+    fewest = min(len(sets[d]) for d in blind)
+    return (f"the drop guard cannot flag {', '.join(blind)}: on {fewest} task(s) of "
+            f"{samples} sample(s) its test gives p >= "
+            f"{smallest_drop_p(fewest, samples):.2g}, never below drop_alpha "
+            f"{cfg.drop_alpha:g}, however far pass@1 falls; score more tasks "
+            "(score_per_tier) or samples")
 
 
 def rotation(names: Sequence[str], start: int, per_version: int) -> list[str]:
@@ -497,6 +524,8 @@ class Evaluator(Actor):
             n=cfg.contamination_n, min_overlap=cfg.contamination_min_overlap,
             exact_only=exact_only_ids(self.sets, self.domains, cfg.heldout),
         )
+        if blind := drop_guard_blind(self.sets, cfg):
+            loud(blind)
         await self._feed_training_prompts(checker)
         report = checker.report()
         require_clean(report)  # refuses to start

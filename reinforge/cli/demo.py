@@ -71,6 +71,10 @@ SUITE_CONTAMINATION_OVERLAP = 0.95
 SUITE_MAX_SAMPLE_S = 0.5  # a family slower to make one task stalls the scheduler (sokoban: 9 s)
 SUITE_EVAL_TASKS_PER_TIER = 4
 SUITE_GUARD_DOMAINS_PER_VERSION = 10
+SUITE_FALL_ALPHA = 0.05
+"""A domain's fall counts as real in the suite's summary when the test on the counts
+(`scoring.drop_test`) gives p below this. On 4 tasks of 2 samples, two evaluations of one
+checkpoint differ by 0.125 to 0.375 in several domains: a fall's size alone says little."""
 # `--suite rm`: rm-synthetic, rewarded by a reward model trained first (on the tiny policy:
 # a few minutes here), with the evaluator's gold guard. Its sign test needs more than the
 # forgetting guard's 4 tasks of 2 samples: it can say p < 0.05 only once 5 tasks fell, and
@@ -504,7 +508,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                      reward_model=rm_dir)
 
     from reinforge.metrics.report import build_report
-    from reinforge.rl.scoring import mean_change, paired_change
+    from reinforge.rl.scoring import mean_change
 
     report_dir = run_dir / "report"
     metrics = run_dir / "metrics" / "metrics.jsonl"
@@ -531,11 +535,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     # most of a run on one or two tiers; a tier probed by a few groups weighs little).
     # Every tier's change is there too, and the unweighted change over all tiers.
     trained = trained_groups(metrics)
-    changes, all_tiers, beyond, by_tier = {}, {}, {}, {}
+    changes, all_tiers, beyond, by_tier, falls = {}, {}, {}, {}, {}
     for d in (d for d in p1_before if d in p1_after):
         b_tasks = before["domains"][d]["task_pass_at_1"]
         a_tasks = after["domains"][d]["task_pass_at_1"]
-        all_tiers[d] = paired_change(b_tasks, a_tasks)
+        all_tiers[d], falls[d] = change_and_fall(before, after, d)
         by_tier[d] = tier_changes(b_tasks, a_tasks, tier_of[d])
         if trained.get(d):
             changes[d] = trained_change(by_tier[d], trained[d])
@@ -574,7 +578,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "run_dir": str(run_dir),
     }
     if args.suite == "gym":
-        result["suite"] = suite_summary(all_tiers, left_out, beyond)
+        result["suite"] = suite_summary(all_tiers, left_out, beyond, falls)
     if rm_dir:
         result["reward_model"] = reward_model_summary(rm_dir, rm_summary, before, after, guard)
     episodes = episode_summary(before, after)
@@ -884,12 +888,33 @@ def suite_domains(max_prompt_tokens: int = SUITE_MAX_PROMPT_TOKENS
     return domains, with_reference, left_out
 
 
+def task_counts(evaluation: dict[str, Any], domain: str) -> dict[str, tuple[int, int]]:
+    """(passed, verified) samples per held-out task of `domain` in a `reinforge eval` JSON."""
+    return {t: (c, n) for t, (c, n) in
+            evaluation["domains"][domain].get("task_counts", {}).items()}
+
+
+def change_and_fall(before: dict[str, Any], after: dict[str, Any], domain: str) -> Any:
+    """(the paired change of `domain`'s held-out pass@1, its `drop_test`) between two
+    `reinforge eval` JSONs."""
+    from reinforge.rl.scoring import drop_test, paired_change
+
+    b, a = before["domains"][domain], after["domains"][domain]
+    return (paired_change(b["task_pass_at_1"], a["task_pass_at_1"]),
+            drop_test(b["task_pass_at_1"], a["task_pass_at_1"], task_counts(before, domain),
+                      task_counts(after, domain)))
+
+
 def suite_summary(changes: dict[str, Any], left_out: dict[str, str],
-                  beyond: dict[str, Any] | None = None) -> dict[str, Any]:
+                  beyond: dict[str, Any] | None = None,
+                  falls: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the suite must show: per-domain changes of held-out pass@1 (tier 0), how many
     improved by 0.10 or more, the mean over all domains, the worst drop; with `beyond` (the
     trained domains' changes against the better of the start and the constant answer), how
-    many improved by 0.10 or more beyond the answer prior."""
+    many improved by 0.10 or more beyond the answer prior; with `falls` (each domain's
+    `drop_test`), the domains worse by 0.05 or more whose fall the test on the counts finds
+    at p < SUITE_FALL_ALPHA, each domain tested alone (no correction for testing many, so
+    it errs towards naming a fall)."""
     from reinforge.rl.scoring import mean_change
 
     if not changes:
@@ -907,4 +932,10 @@ def suite_summary(changes: dict[str, Any], left_out: dict[str, str],
     }
     if beyond:
         out["improved_by_0_10_beyond_prior"] = sum(c.delta >= 0.10 for c in beyond.values())
+    if falls is not None:
+        out["worse_by_0_05_significant"] = {
+            d: round(t.p_value, 4) for d, t in sorted(falls.items())
+            if t.delta <= -0.05 and t.p_value < SUITE_FALL_ALPHA}
+        out["fall_p_values"] = {d: round(t.p_value, 4) for d, t in sorted(falls.items())
+                                if t.delta <= -0.05}
     return out

@@ -191,6 +191,7 @@ async def _eval(args: argparse.Namespace, domains: list[str], samples: int, held
                         "run_pass_rates": s.run_pass_rates, "run_std": s.run_std,
                         "infra_errors": s.infra_errors, "rejected_tasks": s.rejected_tasks,
                         "task_pass_at_1": s.task_pass_at_1,
+                        "task_counts": s.task_counts,
                         "answer_mode_share": s.answer_mode_share,
                         "reward_mean": s.reward_mean,
                         **({"gold_pass_rate": s.gold_pass_rate, "task_gold": s.task_gold}

@@ -48,6 +48,9 @@ class DomainScore(msgspec.Struct, frozen=True, kw_only=True):
     task_pass_at_1: dict[str, float] = {}
     """Pass@1 of each task with a verified sample, by task id: what a paired comparison of
     two checkpoints on the same held-out set needs (`paired_change`)."""
+    task_counts: dict[str, tuple[int, int]] = {}
+    """(passed, verified) samples of each task with a verified sample, by task id: what the
+    drop test on counts needs (`drop_test`)."""
     answer_mode_share: float = 0.0
     """Share of the samples whose final answer (`answer_signature`) is the most common one:
     near 1.0, the policy gives one answer whatever the task asks, having collapsed onto the
@@ -127,6 +130,7 @@ def score_domain(
     task_gold = {ids[i]: sum(g) / len(g) for i, g in enumerate(golds) if g}
     p1, pk, infra = [], [], 0
     per_task: dict[str, float] = {}
+    counts: dict[str, tuple[int, int]] = {}
     samples = max((len(row) for row in correct), default=0)
     runs: list[list[bool]] = [[] for _ in range(samples)]
     for i, row in enumerate(correct):
@@ -141,6 +145,7 @@ def score_domain(
         p1.append(c / n)
         if task_ids:
             per_task[task_ids[i]] = c / n
+            counts[task_ids[i]] = (c, n)
         pk.append(pass_at_k(n, c, min(k, n)))
     rates = [sum(r) / len(r) for r in runs if r]
     return DomainScore(
@@ -152,6 +157,7 @@ def score_domain(
         infra_errors=infra,
         rejected_tasks=rejected_tasks,
         task_pass_at_1=per_task,
+        task_counts=counts,
         answer_mode_share=mode_share(answers),
         reward_mean=mean_or_none(task_reward.values()) or 0.0,
         task_reward=task_reward if task_ids else {},
@@ -236,7 +242,8 @@ class DropTest(msgspec.Struct, frozen=True, kw_only=True):
     better: int
     """Tasks whose pass@1 fell / rose (ties carry no evidence either way)."""
     p_value: float
-    """One-sided exact sign test: P(at least `worse` of `worse + better` fair coin flips)."""
+    """One-sided: the stratified exact test on the samples' counts when both sides have
+    them (`fewer_passes_p`), else the exact sign test on the tasks."""
     n_tasks: int
 
 
@@ -246,13 +253,60 @@ def paired_delta(before: Mapping[str, float], after: Mapping[str, float]) -> flo
     return sum(after[t] - before[t] for t in common) / len(common) if common else 0.0
 
 
-def drop_test(before: Mapping[str, float], after: Mapping[str, float]) -> DropTest:
-    """The sign test of a fall of pass@1, paired by task (a task's difficulty cancels out).
-    Worked example: 9 tasks worse, 1 better, p = (C(10,9) + C(10,10)) / 2**10 = 0.0107."""
+def drop_test(before: Mapping[str, float], after: Mapping[str, float],
+              before_counts: Mapping[str, tuple[int, int]] | None = None,
+              after_counts: Mapping[str, tuple[int, int]] | None = None) -> DropTest:
+    """Whether pass@1 fell, paired by task (a task's difficulty cancels out). With each
+    task's (passed, verified) samples on both sides, the p-value is `fewer_passes_p`'s;
+    without, the sign test on the tasks, which can say no less than 0.5 ** n_tasks: on 4
+    tasks it never reaches 0.01, however far pass@1 fell.
+    Worked example (sign test): 9 tasks worse, 1 better, p = (C(10,9) + C(10,10)) / 2**10 =
+    0.0107."""
     common = sorted(set(before) & set(after))
     worse = sum(after[t] < before[t] for t in common)
     better = sum(after[t] > before[t] for t in common)
-    n = worse + better
-    p = sum(math.comb(n, i) for i in range(worse, n + 1)) / 2**n if n else 1.0
+    counted = [t for t in common if t in (before_counts or {}) and t in (after_counts or {})]
+    if counted and len(counted) == len(common):
+        p = fewer_passes_p([(before_counts[t], after_counts[t]) for t in counted])
+    else:
+        n = worse + better
+        p = sum(math.comb(n, i) for i in range(worse, n + 1)) / 2**n if n else 1.0
     return DropTest(delta=paired_delta(before, after), worse=worse, better=better, p_value=p,
                     n_tasks=len(common))
+
+
+def fewer_passes_p(tasks: Sequence[tuple[tuple[int, int], tuple[int, int]]]) -> float:
+    """One-sided p-value that the second evaluation passes fewer samples than the first,
+    from each task's ((passed, verified) before, (passed, verified) after): the exact test
+    stratified by task (the exact form of Cochran-Mantel-Haenszel). With no change, a task's
+    passes are spread over its before and after samples at random, so its after-passes
+    follow a hypergeometric law given its total; p = P(the after-passes summed over tasks
+    <= those seen), the laws convolved. It uses every sample, so a few tasks of several
+    samples each can show a fall that a sign test on the tasks cannot.
+    Worked example: two tasks, each 2 of 2 before and 0 of 2 after: each has total 2 in 4
+    samples, P(0 of them after) = C(2,2) / C(4,2) = 1/6; p = 1/36 = 0.028 (the sign test on
+    the two tasks: 0.25)."""
+    law = [1.0]  # P(after-passes so far = s)
+    seen = 0
+    for (cb, nb), (ca, na) in tasks:
+        if not (0 <= cb <= nb and 0 <= ca <= na):
+            raise ValueError(f"fewer_passes_p: need 0 <= passed <= verified, got "
+                             f"{(cb, nb)} and {(ca, na)}")
+        total, n = cb + ca, nb + na
+        lo, hi = max(0, total - nb), min(total, na)
+        task = [math.comb(total, x) * math.comb(n - total, na - x) / math.comb(n, na)
+                if lo <= x <= hi else 0.0 for x in range(hi + 1)]
+        law = [sum(law[s - x] * task[x] for x in range(len(task)) if 0 <= s - x < len(law))
+               for s in range(len(law) + len(task) - 1)]
+        seen += ca
+    return min(1.0, sum(law[:seen + 1]))
+
+
+def smallest_drop_p(n_tasks: int, samples: int) -> float:
+    """The least p-value `fewer_passes_p` can give on `n_tasks` tasks of `samples` samples
+    a side: every sample passed before and none after. At or above a guard's alpha, that
+    guard cannot flag a fall, however large. Worked example: 1 task of 2 samples:
+    1 / C(4, 2) = 1/6; 4 such tasks: (1/6)**4 = 0.00077."""
+    if n_tasks < 1 or samples < 1:
+        return 1.0
+    return math.comb(2 * samples, samples) ** -n_tasks

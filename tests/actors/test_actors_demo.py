@@ -207,6 +207,30 @@ def test_the_suite_summary_counts_improved_domains_the_mean_and_the_worst_drop()
     assert suite_summary(changes, {}, beyond)["improved_by_0_10_beyond_prior"] == 1
 
 
+def test_the_suite_summary_names_the_falls_the_test_on_the_counts_finds():
+    from reinforge.cli.demo import change_and_fall, suite_summary
+
+    def evaluation(**domains):  # `reinforge eval --json`'s shape: (passed, verified) a task
+        return {"domains": {d: {"task_pass_at_1": {t: c / n for t, (c, n) in ts.items()},
+                                "task_counts": {t: [c, n] for t, (c, n) in ts.items()}}
+                            for d, ts in domains.items()}}
+
+    four = [f"t{i}" for i in range(4)]
+    before = evaluation(gym_a=dict.fromkeys(four, (2, 2)), gym_b={"t0": (2, 2), "t1": (0, 2)},
+                        gym_c=dict.fromkeys(four, (0, 2)))
+    after = evaluation(gym_a=dict.fromkeys(four, (0, 2)), gym_b={"t0": (0, 2), "t1": (0, 2)},
+                       gym_c=dict.fromkeys(four, (1, 2)))
+    changes, falls = {}, {}
+    for d in before["domains"]:
+        changes[d], falls[d] = change_and_fall(before, after, d)
+    s = suite_summary(changes, {}, falls=falls)
+    # gym_a fell from 8 of 8 to 0 of 8: p = (1/6)**4; gym_b's one task of 2 samples: p = 1/6
+    assert s["worse_by_0_05"] == 2
+    assert s["worse_by_0_05_significant"] == {"gym_a": 0.0008}
+    assert s["fall_p_values"] == {"gym_a": 0.0008, "gym_b": 0.1667}
+    assert "worse_by_0_05_significant" not in suite_summary(changes, {})
+
+
 def test_the_demo_names_the_domains_whose_policy_collapsed_onto_one_answer():
     from reinforge.cli.demo import answer_prior_json, collapsed_domains
     from reinforge.rl.scoring import COLLAPSED_MODE_SHARE

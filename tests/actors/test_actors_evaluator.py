@@ -34,12 +34,12 @@ from reinforge.actors.evaluator import (
     rotation,
     score_domain,
 )
-from reinforge.rl.scoring import drop_test
+from reinforge.rl.scoring import drop_test, fewer_passes_p, smallest_drop_p
 from reinforge.core import messages as m
 from reinforge.core import subjects
 from reinforge.core.actor import RuntimeConfig, run_actor
 from reinforge.core.bus import open_bus
-from reinforge.envs.domain import DomainRegistry
+from reinforge.envs.domain import DomainRegistry, TaskSpec
 
 HELD = HeldOutConfig(tasks_per_tier=2)
 
@@ -706,6 +706,60 @@ def test_a_real_fall_rolls_back_and_noise_of_the_same_mean_does_not():
     assert regression_rollback(6, real, {}, good, baselines=base) == ([], None)
 
 
+def test_the_test_on_counts_sees_a_fall_on_four_tasks_that_the_sign_test_cannot():
+    before, after = _scored([1.0] * 4), _scored([0.0] * 4)  # 2 of 2 samples -> 0 of 2
+    sign = drop_test(before.task_pass_at_1, after.task_pass_at_1)
+    counts = drop_test(before.task_pass_at_1, after.task_pass_at_1, before.task_counts,
+                       after.task_counts)
+    assert sign.p_value == pytest.approx(1 / 2**4)  # never below 0.01 on 4 tasks
+    assert counts.p_value == pytest.approx((1 / 6) ** 4) == smallest_drop_p(4, 2)
+    assert (counts.worse, counts.better, counts.delta) == (4, 0, -1.0)
+    base = {"gym-a": Baseline.of(4, before)}
+    good = GoodVersion(version=4, path="/v4")
+    flagged, rb = regression_rollback(6, {"gym-a": after}, {}, good, baselines=base,
+                                      drop_alpha=0.01, drop_margin=0.05)
+    assert flagged == ["gym-a"] and rb.to_version == 4
+    assert "test on the counts p=0.00077" in rb.reason
+    # a baseline kept before the counts were (an older state file): the sign test, blind
+    old = {"gym-a": Baseline(version=4, task_pass_at_1=before.task_pass_at_1)}
+    assert regression_rollback(6, {"gym-a": after}, {}, good, baselines=old,
+                               drop_alpha=0.01, drop_margin=0.05) == ([], None)
+
+
+def test_the_test_on_counts_is_the_exact_law_of_passes_shuffled_within_each_task():
+    """Brute force: with no change, a task's passes fall on any of its samples alike, so the
+    p-value is the share of those placements with as few passes after as seen."""
+    import itertools
+
+    tasks = [((3, 4), (1, 3)), ((1, 2), (0, 3)), ((2, 3), (2, 2))]
+    per_task = []
+    for (cb, nb), (ca, na) in tasks:
+        n = nb + na
+        placements = list(itertools.combinations(range(n), cb + ca))
+        per_task.append([sum(i >= nb for i in p) for p in placements])
+    seen = sum(ca for _, (ca, _) in tasks)
+    combos = list(itertools.product(*per_task))
+    exact = sum(sum(c) <= seen for c in combos) / len(combos)
+    assert fewer_passes_p(tasks) == pytest.approx(exact)
+    assert fewer_passes_p([((2, 2), (0, 2))] * 2) == pytest.approx(1 / 36)  # the docstring's
+    assert fewer_passes_p([((1, 2), (2, 2))]) == 1.0  # it rose: no evidence of a fall
+    with pytest.raises(ValueError, match="passed <= verified"):
+        fewer_passes_p([((3, 2), (0, 2))])
+
+
+def test_the_evaluator_says_when_its_drop_guard_cannot_flag_a_domain():
+    from reinforge.actors.evaluator import drop_guard_blind
+
+    one = TaskSpec(task_id="a", domain="math", tier=0, prompt="1+1?", spec={})
+    sets = {"math": [one], "gym-a": [one] * 4}
+    said = drop_guard_blind(sets, EvaluatorConfig(k=2, drop_alpha=0.01))
+    assert said.startswith("the drop guard cannot flag math: on 1 task(s) of 2 sample(s)")
+    assert "p >= 0.17" in said
+    assert drop_guard_blind({"gym-a": [one] * 4}, EvaluatorConfig(k=2, drop_alpha=0.01)) == ""
+    assert drop_guard_blind(sets, EvaluatorConfig(k=2, drop_alpha=0.0)) == ""
+    assert drop_guard_blind(sets, EvaluatorConfig(k=2, samples=8, drop_alpha=0.01)) == ""
+
+
 class PlantedProxy:
     """A test domain (not a reward model: the guard's logic above one) whose reward has a
     known exploit: it pays the answer's length, while its gold check is the rule the reward
@@ -735,8 +789,6 @@ class Answers:
 
 
 def test_a_reward_that_rose_while_the_gold_fell_rolls_back_to_the_gold_peak():
-    from reinforge.envs.domain import TaskSpec
-
     colours = ["red", "green", "blue", "amber", "teal", "plum"]
     sets = {"planted": [TaskSpec(task_id=f"p{i}", domain="planted", tier=0, prompt="describe",
                                  spec={"colour": colours[i % 6]}) for i in range(12)]}
