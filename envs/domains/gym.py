@@ -41,6 +41,8 @@ from reinforge.envs.tasksets import decode_row, load_jsonl
 PREFIX = "gym-"
 MAX_TIERS = 5
 SEED_TRIES = 8
+ITEMS_KEPT = 16
+"""Items each domain keeps made (`GymDomain.item`): a few groups' worth."""
 ANSWER_HINT = "Give your final answer inside <answer></answer> tags."
 LEFT_OUT = {
     "composite": "it mixes the other datasets: each is a domain of its own here",
@@ -154,11 +156,16 @@ class GymDomain:
                      for k in range(len(self._configs)))
 
     def item(self, spec: GymSpec) -> tuple[Any, dict[str, Any]]:
-        """(the dataset, the item) a spec names; the same item every time."""
+        """(the dataset, the item) a spec names; the same item every time. The last few are
+        kept: a group's samples verify against one task, and some datasets read a word list
+        of 150,000 lines each time one is made (group_anagrams, figlet_font: 0.2 s)."""
         check_tier(self, spec.tier)
+        return self._made(spec.dataset, spec.seed, spec.tier)
+
+    @functools.lru_cache(maxsize=ITEMS_KEPT)  # on the method: a domain lives as its process
+    def _made(self, dataset: str, seed: int, tier: int) -> tuple[Any, dict[str, Any]]:
         with quiet():
-            ds = _gym().create_dataset(spec.dataset, seed=spec.seed, size=1,
-                                       **self._configs[spec.tier])
+            ds = _gym().create_dataset(dataset, seed=seed, size=1, **self._configs[tier])
             return ds, ds[0]
 
     def _task(self, tier: int, seed: int, task_id: str,
