@@ -42,6 +42,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    from reinforge.envs.domains import gym_scorer
+
+    gym_scorer.close_worker()  # this process's, which lives until its exit: not a leftover
     left = sweep_session(os.environ[SESSION_ENV])
     if left:
         print(f"\nsession sweep: removed what tests left running: {', '.join(left)}",

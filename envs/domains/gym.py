@@ -14,6 +14,8 @@ family's own scorer. Here each of its datasets is a domain:
   tag counts). The dataset's scorer turns it into the reward, a float in [0, 1] (some
   families give partial credit); a completion without the tag scores 0. A scorer that
   raises on an answer is an `error` verdict with the exception named, never a silent 0.
+  Scorers run in a worker process with a time and memory limit (`gym_scorer.py`): some
+  evaluate the answer with sympy, and an answer can make that compute for minutes.
 - **The reference** (for SFT demonstrations) is the item's own answer when its scorer gives
   it 1; families whose items have many valid answers and no canonical one give none.
 
@@ -35,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import trio
+from reinforge.envs.domains.gym_scorer import worker
 from reinforge.envs.domain import Check, TaskSpec, Tier, Verdict, check_tier
 from reinforge.envs.tasksets import decode_row, load_jsonl
 
@@ -212,20 +216,20 @@ class GymDomain:
         if answer is None:
             return Verdict(reward=0.0, outcome="fail", reason="no <answer>...</answer> tag",
                            checks=[Check(name="answer_tag", passed=False)])
-        ds, entry = self.item(spec)
-        try:
-            score = _score(ds, answer, entry)
+        check_tier(self, spec.tier)
+        try:  # in the scorer's worker: a model-written answer can make it compute for minutes
+            score = await trio.to_thread.run_sync(
+                worker().score, spec.dataset, spec.tier, spec.seed, answer)
         except Exception as exc:  # noqa: BLE001 - the scorer broke on this answer: say so
-            return Verdict(reward=0.0, outcome="error",
-                           reason=f"the {self.dataset} scorer raised "
-                                  f"{type(exc).__name__}: {exc}"[:300])
+            return Verdict(reward=0.0, outcome="error", reason=str(exc)[:300])
         passed = score >= 1.0
         return Verdict(reward=score, outcome="pass" if passed else "fail",
                        reason=f"{self.dataset} scorer: {score:g}",
                        checks=[Check(name="score", passed=passed)])
 
 
-def _score(ds: Any, answer: str, entry: dict[str, Any]) -> float:
+def score_answer(ds: Any, answer: str, entry: dict[str, Any]) -> float:
+    """The dataset's scorer on `answer`, checked to be a reward in [0, 1]."""
     with quiet():
         score = float(ds.score_answer(answer, entry))
     if not 0.0 <= score <= 1.0:
@@ -235,6 +239,6 @@ def _score(ds: Any, answer: str, entry: dict[str, Any]) -> float:
 
 def _scores_one(ds: Any, answer: str, entry: dict[str, Any]) -> bool:
     try:
-        return _score(ds, answer, entry) == 1.0
+        return score_answer(ds, answer, entry) == 1.0
     except Exception:  # noqa: BLE001 - a reference its own scorer rejects is no reference
         return False

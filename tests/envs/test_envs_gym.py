@@ -5,6 +5,7 @@ import os
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import trio
@@ -175,7 +176,7 @@ def test_every_item_is_the_same_in_another_process_so_the_verifier_scores_what_w
     assert [n for n in first if first[n] != second[n]] == []
 
 
-def test_a_groups_samples_verify_against_one_made_item(gym_domains, monkeypatch):
+def test_an_item_is_made_once_for_a_groups_samples(gym_domains, monkeypatch):
     # group_anagrams reads a word list of 150,000 lines whenever its dataset is made: before,
     # each verification made it again (0.2 s), four times for a group of four samples
     domain = gym_domains["gym-group_anagrams"]
@@ -184,7 +185,33 @@ def test_a_groups_samples_verify_against_one_made_item(gym_domains, monkeypatch)
     monkeypatch.setattr(gym._gym(), "create_dataset",
                         lambda *a, **kw: made.append(a) or create(*a, **kw))
     task = domain.sample_task(random.Random("one group"), 0)
-    verdicts = [trio.run(domain.verify, task, text)
-                for text in (task.reference, "<answer>no</answer>") * 2]
+    spec = gym.GymSpec(**task.spec)
+    items = [domain.item(spec) for _ in range(4)]
     assert len(made) == 1
-    assert [v.outcome for v in verdicts] == ["pass", "fail", "pass", "fail"]
+    assert all(entry == items[0][1] for _, entry in items)
+
+
+def test_an_answer_that_makes_the_scorer_compute_for_minutes_is_an_error_in_seconds(
+        gym_domains, monkeypatch):
+    # simple_integration's scorer hands the answer to sympy's parser, which evaluates it:
+    # 9**9**9 is a power of 370 million digits. Before, verification computed it in-line
+    # (an evaluation grew to 12 GB and never returned)
+    from reinforge.envs.domains import gym_scorer
+
+    scorer = gym_scorer.ScorerWorker(timeout_s=3.0)
+    monkeypatch.setattr(gym_scorer, "_worker", scorer)
+    domain = gym_domains["gym-simple_integration"]
+    task = domain.sample_task(random.Random("hostile"), 0)
+    try:
+        assert trio.run(domain.verify, task, task.reference).outcome == Outcome.PASS
+        hostile = trio.run(domain.verify, task, "<answer>x**(9**9**9)</answer>")
+        assert hostile.outcome == Outcome.ERROR and hostile.reward == 0.0
+        assert "simple_integration scorer ran past 3 s" in hostile.reason
+        assert scorer.restarts == 1
+        # a fresh worker scores the next answer
+        assert trio.run(domain.verify, task, task.reference).outcome == Outcome.PASS
+        # and it runs under its address-space limit
+        limits = Path(f"/proc/{scorer._proc.pid}/limits").read_text()
+        assert f"Max address space         {gym_scorer.WORKER_MEMORY_BYTES}" in limits
+    finally:
+        scorer.close()
