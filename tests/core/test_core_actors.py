@@ -129,6 +129,15 @@ def test_sigterm_lets_in_flight_work_finish_and_exits_zero(creds, creds_file, ru
     trio.run(main)
 
 
+async def start_actor_until(nursery, actor_cls, creds, run, done, timeout_s=30):
+    """Start `actor_cls` in `nursery`, then wait until `done()` holds; the actor's context."""
+    ctx = await nursery.start(functools.partial(run_actor, actor_cls, creds=creds, run=run))
+    with trio.fail_after(timeout_s):
+        while not done():
+            await trio.sleep(0.05)
+    return ctx
+
+
 class TwoSubjectEcho(Actor):
     """One input over echo.a and echo.b (not echo.c), through one consumer, at most 2 at a
     time; it records what it handled and the most it held at once (class-wide)."""
@@ -162,13 +171,10 @@ def test_one_input_over_several_subjects_takes_only_those_within_one_concurrency
                     await bus.publish_durable(subjects.echo(run_name, name),
                                               m.Echo(seq=i, body=name), f"{name}{i}")
             async with trio.open_nursery() as nursery:
-                ctx = await nursery.start(functools.partial(
-                    run_actor, TwoSubjectEcho, creds=creds, run=run_name))
                 # echo.c was published between each a and b: taken at all, some would be
                 # handled before the 60th of a and b
-                with trio.fail_after(30):
-                    while len(TwoSubjectEcho.handled) < 60:
-                        await trio.sleep(0.05)
+                ctx = await start_actor_until(nursery, TwoSubjectEcho, creds, run_name,
+                                              lambda: len(TwoSubjectEcho.handled) >= 60)
                 ctx.stop_requested.set()
 
     trio.run(main)
@@ -198,11 +204,8 @@ def test_tickets_acked_together_share_a_crossing_and_none_comes_back(creds, run_
             await bus.publish_durable_many([(subjects.echo(run_name, "hand"), m.Echo(seq=i),
                                              f"hand{i}") for i in range(8)])
             async with trio.open_nursery() as nursery:
-                ctx = await nursery.start(functools.partial(
-                    run_actor, HandAckEcho, creds=creds, run=run_name))
-                with trio.fail_after(30):
-                    while len(HandAckEcho.acked) < 8:
-                        await trio.sleep(0.05)
+                ctx = await start_actor_until(nursery, HandAckEcho, creds, run_name,
+                                              lambda: len(HandAckEcho.acked) >= 8)
                 trips = ctx.bus.statistics().settle_trips
                 # asked on the actor's own connection, so after its acks: none is pending
                 subject = subjects.echo(run_name, "hand")
