@@ -23,7 +23,10 @@ the regression guard that rolls a bad version back.
   samples, stratified by task (`scoring.drop_test`), at p < `drop_alpha` (a test on
   counts, not a threshold on noisy pass rates), triggers a
   `Rollback` to the last good version (msg_id f"rollback:{to}:{bad}"); it is said loudly on
-  stderr. Without a good version to go back to, it says so and publishes nothing.
+  stderr. Without a good version to go back to, it says so and publishes nothing. Given
+  `start_scores` (an evaluation of the starting model), a domain not yet scored at a good
+  version is judged against the start. At start the evaluator says which domains its test
+  cannot flag at all: too few tasks and samples to reach `drop_alpha`.
 * Over-optimisation: in a domain whose verdicts carry a `gold` check (a rule its learned
   reward only approximates), a version whose mean reward rose while its gold pass rate fell
   against the domain's gold peak (the good version with the best gold so far; the same sign
@@ -153,6 +156,11 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """How long one version's evaluation may take before the message is redelivered."""
     state_file: str = ""
     """Default: <run_dir>/evaluator_state.json."""
+    start_scores: str = ""
+    """A `reinforge eval --json` of `model_path` on these held-out sets (the demo's evaluation
+    before training): each domain's baseline until the evaluator has scored it at a good
+    version, so its first evaluation is judged against the start ("" = none: a domain's
+    first evaluation has nothing to fall from)."""
 
     def __post_init__(self) -> None:
         n = self.samples or self.k
@@ -266,24 +274,33 @@ def with_episode_figures(score: DomainScore, counts: list[tuple[int, int, int]])
         tool_call_error_rate=sum(e for _, _, e in counts) / calls if calls else 0.0)
 
 
+def modal_answers(sets: Mapping[str, Sequence[TaskSpec]], domains: Mapping[str, Any], *,
+                  draws: int = 64) -> dict[str, dict[int, str]]:
+    """Per domain, each held-out tier's most common reference (`evalsets.modal_references`):
+    the constant answer `answer_prior` scores. The slow half (`draws` tasks made per tier),
+    and it needs no model, so `reinforge eval` finds it while the model generates. Domains
+    that verify in a sandbox are left out (one program for every task would cost a sandbox
+    run per task to learn that it fails)."""
+    return {name: modal_references(domains[name], sorted({t.tier for t in tasks}), draws=draws)
+            for name, tasks in sets.items() if domains[name].resource != "sandbox"}
+
+
 async def answer_prior(
     sets: Mapping[str, Sequence[TaskSpec]], domains: Mapping[str, Any], *, draws: int = 64,
+    modal: Mapping[str, Mapping[int, str]] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Each held-out task's pass with a constant answer, by domain: the most common reference
-    of the task's tier (`evalsets.modal_references`), whatever the task asks. What a policy
-    collapsed onto the answer prior scores, so a gain that does not beat it is no skill.
-    Domains that verify in a sandbox are left out (one program for every task would cost
-    a sandbox run per task to learn that it fails)."""
+    of the task's tier (`modal_answers`, or `modal` found already), whatever the task asks.
+    What a policy collapsed onto the answer prior scores, so a gain that does not beat it is
+    no skill."""
+    if modal is None:
+        modal = modal_answers(sets, domains, draws=draws)
     out: dict[str, dict[str, float]] = {}
-    for name, tasks in sets.items():
-        domain = domains[name]
-        if domain.resource == "sandbox":
-            continue
-        modal = modal_references(domain, sorted({t.tier for t in tasks}), draws=draws)
+    for name, answers in modal.items():
         scores: dict[str, float] = {}
-        for task in tasks:
-            if task.tier in modal:
-                verdict = await domain.verify(task, modal[task.tier])
+        for task in sets[name]:
+            if task.tier in answers:
+                verdict = await domains[name].verify(task, answers[task.tier])
                 scores[task.task_id] = 1.0 if verdict.outcome == "pass" else 0.0
         if scores:
             out[name] = scores
@@ -296,6 +313,17 @@ async def answer_prior(
 class GoodVersion(msgspec.Struct, frozen=True, kw_only=True):
     version: int
     path: str
+
+
+class StartScore(msgspec.Struct, kw_only=True):
+    task_pass_at_1: dict[str, float]
+    task_counts: dict[str, tuple[int, int]] = {}
+
+
+class StartScores(msgspec.Struct, kw_only=True):
+    """What `start_baselines` reads of a `reinforge eval --json` result."""
+
+    domains: dict[str, StartScore]
 
 
 class Baseline(msgspec.Struct, frozen=True, kw_only=True):
@@ -392,6 +420,27 @@ def gold_peaks_after(peaks: Mapping[str, Baseline], good: WeightsPublished,
     for d, s in scores.items():
         if s.gold_pass_rate is not None and (d not in out or s.gold_pass_rate >= out[d].gold()):
             out[d] = Baseline.of(good.version, s, good.path)
+    return out
+
+
+def start_baselines(path: Path, sets: Mapping[str, Sequence[TaskSpec]]) -> dict[str, Baseline]:
+    """Version-0 baselines from a `reinforge eval --json` of the starting model: each domain's
+    per-task pass@1 and counts on the tasks the evaluator scores (`sets`)."""
+    try:
+        evaluation = msgspec.json.decode(path.read_bytes(), type=StartScores)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ValueError(f"EvaluatorConfig.start_scores {path}: not a `reinforge eval --json` "
+                         f"result ({exc})") from None
+    out = {}
+    for d, tasks in sets.items():
+        if (score := evaluation.domains.get(d)) is None:
+            continue
+        ids = {t.task_id for t in tasks} & set(score.task_pass_at_1)
+        if ids:
+            out[d] = Baseline(version=0,
+                              task_pass_at_1={t: score.task_pass_at_1[t] for t in ids},
+                              task_counts={t: score.task_counts[t] for t in ids
+                                           if t in score.task_counts})
     return out
 
 
@@ -526,6 +575,8 @@ class Evaluator(Actor):
         )
         if blind := drop_guard_blind(self.sets, cfg):
             loud(blind)
+        self.start = start_baselines(Path(cfg.start_scores), self.sets) \
+            if cfg.start_scores else {}
         await self._feed_training_prompts(checker)
         report = checker.report()
         require_clean(report)  # refuses to start
@@ -690,7 +741,7 @@ class Evaluator(Actor):
         cfg: EvaluatorConfig = self.config
         below, rollback = regression_rollback(
             msg.version, scores, cfg.thresholds, self.state.last_good,
-            baselines=self.state.baselines, drop_alpha=cfg.drop_alpha,
+            baselines={**self.start, **self.state.baselines}, drop_alpha=cfg.drop_alpha,
             drop_margin=cfg.drop_margin, gold_peaks=self.state.gold_peaks,
             gold_alpha=cfg.gold_alpha)
         if not below:

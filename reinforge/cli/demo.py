@@ -308,7 +308,7 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
                    heldout_per_tier: int = 4, guard: dict[str, float] | None = None,
                    heldout_tiers: list[int] | None = None, guard_rotation: int = 0,
                    start_pass_rates: dict[str, list[float]] | None = None,
-                   reward_model: str = "") -> str:
+                   start_scores: Path | None = None, reward_model: str = "") -> str:
     """The TOML `reinforge up` runs. Sized for 2 CPU cores. `max_staleness=0` makes the
     actors take turns (generate, verify, train, each waiting for the last): the synchronous
     baseline of `bench/rl_throughput.py`.
@@ -317,7 +317,9 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
     `heldout_per_tier` held-out tasks of each tier (the demo's before/after evaluation uses
     exactly those). `guard` (domain -> minimum pass@1) adds the evaluator: every
     `args.guard_every` versions it scores the policy on the first GUARD_TASKS_PER_TIER of
-    those held-out tasks and rolls back a version that falls below its floor.
+    those held-out tasks and rolls back a version that falls below its floor, or (with
+    `start_scores`, the `reinforge eval --json` of the start) whose fall from the start the
+    test on the counts finds at p < drop_alpha.
     `start_pass_rates` (domain -> the starting policy's pass@1 on tiers 0, 1, ...) starts
     each domain's curriculum at the easiest tier it has not solved yet. `reward_model` scores
     rm-synthetic, in the verifier and in the evaluator, whose gold guard then watches it on
@@ -338,11 +340,12 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
         if guard_rotation else ""
     rm = f", reward_model = {json.dumps(reward_model)}" if reward_model else ""
     guard_tasks = RM_GUARD_TASKS if reward_model else GUARD_TASKS_PER_TIER
-    guard_samples = f", samples = {RM_GUARD_SAMPLES}" if reward_model else ""
+    guard_extra = (f", samples = {RM_GUARD_SAMPLES}" if reward_model else "") + (
+        f", start_scores = {json.dumps(str(start_scores))}" if start_scores else "")
     evaluator = "" if guard is None else f"""
 [[actors]]
 spec = "reinforge.actors.evaluator:Evaluator"
-config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], k = 2{guard_samples}, every_versions = {args.guard_every}, score_per_tier = {guard_tasks}, thresholds = {{ {", ".join(f"{json.dumps(d)} = {v:.4f}" for d, v in guard.items())} }}, max_new_tokens = {new_tokens}, concurrency = 2, sandbox_pool_size = 1, domains_per_version = {guard_rotation}{suite_overlap}{rm} }}
+config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], k = 2{guard_extra}, every_versions = {args.guard_every}, score_per_tier = {guard_tasks}, thresholds = {{ {", ".join(f"{json.dumps(d)} = {v:.4f}" for d, v in guard.items())} }}, max_new_tokens = {new_tokens}, concurrency = 2, sandbox_pool_size = 1, domains_per_version = {guard_rotation}{suite_overlap}{rm} }}
 """
     lora = (f", lora = {{ r = {args.lora_rank}, alpha = {2.0 * args.lora_rank} }}"
             if args.lora_rank else "")
@@ -476,6 +479,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                            heldout=heldout)
     say(f"evaluating the starting checkpoint ({sft.name}) on the held-out sets")
     before = evaluate(sft, domains, eval_k, per_tier, tiers, reward_model=rm_dir)
+    before_path = run_dir / "eval_before.json"  # the evaluator's baselines at the start
+    before_path.write_text(json.dumps(before))
     eval_s = before.get("eval_s", 60.0) + 30.0
     trained_from = time.time()  # the cluster's start counts in the window
     train_s = say_training_window(trained_from - t0, budget_s, eval_s)
@@ -487,7 +492,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         heldout_tiers=tiers,
         guard_rotation=SUITE_GUARD_DOMAINS_PER_VERSION if args.suite == "gym" else 0,
         start_pass_rates={d: tier_pass_rates(sc["task_pass_at_1"], tier_of[d])
-                          for d, sc in before["domains"].items()}, reward_model=rm_dir))
+                          for d, sc in before["domains"].items()},
+        start_scores=before_path, reward_model=rm_dir))
 
     say(f"starting the cluster: reinforge up {config_path} --detach")
     try:  # from here on, however the demo ends (SIGTERM too), the cluster is taken down

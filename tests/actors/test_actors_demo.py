@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
 ROOT = Path(__file__).parent.parent.parent
@@ -329,6 +330,26 @@ def test_the_demo_starts_each_curriculum_at_the_tier_its_evaluation_found_unsolv
     scheduler, = [a for a in load_cluster_config(config).actors
                   if a.spec.endswith(":Scheduler")]
     assert scheduler.config["start_pass_rates"] == {"math": [0.9375, 0.5]}
+
+
+def test_the_demo_hands_its_evaluation_of_the_start_to_the_guard(tmp_path):
+    import argparse
+
+    from reinforge.actors.evaluator import EvaluatorConfig
+    from reinforge.cli import demo
+    from reinforge.core.cluster import load_cluster_config
+
+    parser = argparse.ArgumentParser(prog="reinforge")
+    demo.register(parser.add_subparsers(dest="command"))
+    config = tmp_path / "demo.toml"
+    before = tmp_path / "eval_before.json"
+    for start, expected in ((before, str(before)), (None, "")):
+        config.write_text(demo.cluster_config(
+            "g", tmp_path, tmp_path / "sft", ["math"], parser.parse_args(["demo"]),
+            guard={"math": 0.25}, start_scores=start))
+        evaluator, = [a for a in load_cluster_config(config).actors
+                      if a.spec.endswith(":Evaluator")]
+        assert msgspec.convert(evaluator.config, EvaluatorConfig).start_scores == expected
 
 
 def test_a_demo_of_tool_domains_gives_its_sampler_a_sandbox_and_turns_long_enough_for_a_call(

@@ -313,6 +313,59 @@ def test_a_planted_regression_publishes_a_rollback_to_the_last_good_version(
     trio.run(main)
 
 
+class FirstVersionBad(ScriptedEvaluator):
+    BAD = {1}
+
+
+@pytest.mark.parametrize("from_start", [True, False])
+@pytest.mark.nats
+def test_a_domains_first_evaluation_is_judged_against_the_start_when_the_run_has_it(
+    creds, run_name, tmp_path, from_start
+):
+    """The demo hands the evaluator its evaluation of the start (`reinforge eval --json`):
+    version 1 answers every task wrongly. Judged against the start, it is no good version
+    (the test on the counts: 10 tasks from 2 of 2 to 0 of 2); with nothing to judge it
+    against, it passes (no floor is set) and becomes the version to roll back to."""
+    registry = DomainRegistry.default()
+    sets = build_heldout(registry, ["math"], HELD)
+    start = trio.run(functools.partial(evaluate_sets, sets, {"math": registry.get("math")},
+                                       Scripted(True), samples=2, k=2))["math"]
+    assert start.pass_at_1 == 1.0
+    path = tmp_path / "eval_before.json"
+    path.write_text(json.dumps({"domains": {"math": {
+        "task_pass_at_1": start.task_pass_at_1, "task_counts": start.task_counts}}}))
+    cfg = msgspec.structs.replace(guard_config(tmp_path), thresholds={},
+                                  start_scores=str(path) if from_start else "")
+
+    async def main():
+        async with open_bus(creds) as bus:
+            await bus.ensure_run_stream(run_name)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(functools.partial(
+                    run_actor, FirstVersionBad, creds=creds, run=run_name, config=cfg))
+                await announce(bus, subjects.weights(run_name), (1,))
+                with trio.fail_after(30):  # the state is written once v1 is judged
+                    while not (tmp_path / "ev.json").exists():
+                        await trio.sleep(0.05)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    state = json.loads((tmp_path / "ev.json").read_text())
+    assert state["evaluated"] == ["1:/ckpt/v1"]
+    assert state["last_good"] == (None if from_start else {"version": 1, "path": "/ckpt/v1"})
+
+
+def test_start_scores_that_are_not_an_evaluation_are_a_clear_error(tmp_path):
+    from reinforge.actors.evaluator import start_baselines
+
+    bad = tmp_path / "x.json"
+    bad.write_text('{"model": "m"}')
+    with pytest.raises(ValueError, match="not a `reinforge eval --json` result"):
+        start_baselines(bad, {})
+    with pytest.raises(ValueError, match="not a `reinforge eval --json` result"):
+        start_baselines(tmp_path / "missing.json", {})
+
+
 @pytest.mark.nats
 def test_a_version_announced_before_the_learner_applied_a_rollback_is_not_judged(
     creds, run_name, tmp_path
