@@ -274,33 +274,24 @@ def with_episode_figures(score: DomainScore, counts: list[tuple[int, int, int]])
         tool_call_error_rate=sum(e for _, _, e in counts) / calls if calls else 0.0)
 
 
-def modal_answers(sets: Mapping[str, Sequence[TaskSpec]], domains: Mapping[str, Any], *,
-                  draws: int = 64) -> dict[str, dict[int, str]]:
-    """Per domain, each held-out tier's most common reference (`evalsets.modal_references`):
-    the constant answer `answer_prior` scores. The slow half (`draws` tasks made per tier),
-    and it needs no model, so `reinforge eval` finds it while the model generates. Domains
-    that verify in a sandbox are left out (one program for every task would cost a sandbox
-    run per task to learn that it fails)."""
-    return {name: modal_references(domains[name], sorted({t.tier for t in tasks}), draws=draws)
-            for name, tasks in sets.items() if domains[name].resource != "sandbox"}
-
-
 async def answer_prior(
     sets: Mapping[str, Sequence[TaskSpec]], domains: Mapping[str, Any], *, draws: int = 64,
-    modal: Mapping[str, Mapping[int, str]] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Each held-out task's pass with a constant answer, by domain: the most common reference
-    of the task's tier (`modal_answers`, or `modal` found already), whatever the task asks.
-    What a policy collapsed onto the answer prior scores, so a gain that does not beat it is
-    no skill."""
-    if modal is None:
-        modal = modal_answers(sets, domains, draws=draws)
+    of the task's tier (`evalsets.modal_references`), whatever the task asks. What a policy
+    collapsed onto the answer prior scores, so a gain that does not beat it is no skill.
+    Domains that verify in a sandbox are left out (one program for every task would cost
+    a sandbox run per task to learn that it fails)."""
     out: dict[str, dict[str, float]] = {}
-    for name, answers in modal.items():
+    for name, tasks in sets.items():
+        domain = domains[name]
+        if domain.resource == "sandbox":
+            continue
+        modal = modal_references(domain, sorted({t.tier for t in tasks}), draws=draws)
         scores: dict[str, float] = {}
-        for task in sets[name]:
-            if task.tier in answers:
-                verdict = await domains[name].verify(task, answers[task.tier])
+        for task in tasks:
+            if task.tier in modal:
+                verdict = await domain.verify(task, modal[task.tier])
                 scores[task.task_id] = 1.0 if verdict.outcome == "pass" else 0.0
         if scores:
             out[name] = scores

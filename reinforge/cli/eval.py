@@ -114,8 +114,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 async def _eval(args: argparse.Namespace, domains: list[str], samples: int, heldout: Any) -> int:
     import trio
     from reinforge.rl.evalsets import build_heldout, check_contamination, exact_only_ids
-    from reinforge.actors.evaluator import answer_prior
-    from reinforge.core.bus import collapse_single_exception
+    from reinforge.actors.evaluator import ServerSource, answer_prior, evaluate_sets
+    from reinforge.engine.tokenizer import load_tokenizer
+    from reinforge.rollout.client import RolloutClient, RolloutServerUnavailable
     from reinforge.envs.domain import DomainRegistry
     from reinforge.rl.episodes import domain_tools
 
@@ -143,64 +144,6 @@ async def _eval(args: argparse.Namespace, domains: list[str], samples: int, held
         if not report.clean:
             raise UserError("contaminated held-out set: " + report.summary())
         print(report.summary(), file=out)
-    modal: dict[str, Any] = {}
-    with collapse_single_exception():
-        async with trio.open_nursery() as nursery:
-            if args.answer_prior:  # it needs no model: found while the model generates
-                nursery.start_soon(_find_modal_answers, sets, doms, modal)
-            scores, took_s = await _generate(args, sets, doms, samples)
-    # Raised after the server is gone: an error of a domain's own is not the server's
-    if "error" in modal:
-        raise modal["error"]
-    prior = await answer_prior(sets, doms, modal=modal["found"]) if args.answer_prior else {}
-    prior_p1 = {d: fmean(tasks.values()) for d, tasks in prior.items()}
-    for d, s in scores.items():
-        print(f"{d:10s} pass@1 {s.pass_at_1:.3f}  pass@{s.k} {s.pass_at_k:.3f}  "
-              f"tasks {s.n_tasks}  samples {s.samples}  run std {s.run_std:.3f}  "
-              f"infra errors {s.infra_errors}  refused {s.rejected_tasks}  "
-              f"modal answer {s.answer_mode_share:.2f}"
-              + (f"  turns {s.turns_mean:.2f}  tool-call errors {s.tool_call_error_rate:.2f}"
-                 if domain_tools(doms[d]) else "")
-              + (f"  constant answer's pass@1 {prior_p1[d]:.3f}" if d in prior else "")
-              + (f"  reward {s.reward_mean:.3f}  gold {s.gold_pass_rate:.3f}"
-                 if s.gold_pass_rate is not None else ""),
-              file=out)
-    result = {
-        "model": args.model or args.url, "k": args.k, "samples": samples,
-        "eval_s": round(took_s, 3),
-        "domains": {d: {"pass_at_1": s.pass_at_1, "pass_at_k": s.pass_at_k, "k": s.k,
-                        "n_tasks": s.n_tasks, "samples": s.samples,
-                        "run_pass_rates": s.run_pass_rates, "run_std": s.run_std,
-                        "infra_errors": s.infra_errors, "rejected_tasks": s.rejected_tasks,
-                        "task_pass_at_1": s.task_pass_at_1,
-                        "task_counts": s.task_counts,
-                        "answer_mode_share": s.answer_mode_share,
-                        "reward_mean": s.reward_mean,
-                        **({"gold_pass_rate": s.gold_pass_rate, "task_gold": s.task_gold}
-                           if s.gold_pass_rate is not None else {}),
-                        **({"turns_mean": s.turns_mean,
-                            "tool_call_error_rate": s.tool_call_error_rate}
-                           if domain_tools(doms[d]) else {}),
-                        **({"prior_pass_at_1": prior_p1[d], "prior_task_pass": prior[d]}
-                           if d in prior else {})}
-                    for d, s in scores.items()},
-    }
-    if args.json:
-        print(json.dumps(result), flush=True)
-    return 0
-
-
-async def _generate(args: argparse.Namespace, sets: dict[str, Any], doms: dict[str, Any],
-                    samples: int) -> tuple[dict[str, Any], float]:
-    """(each domain's score, the seconds generation and verification took) from the model's
-    samples: on `args.url`'s server, or one started for `args.model` and stopped after."""
-    import trio
-    from reinforge.actors.evaluator import ServerSource, evaluate_sets
-    from reinforge.engine.tokenizer import load_tokenizer
-    from reinforge.rollout.client import RolloutClient, RolloutServerUnavailable
-
-    from reinforge.cli import UserError
-
     server = None
     try:
         url = args.url
@@ -226,22 +169,43 @@ async def _generate(args: argparse.Namespace, sets: dict[str, Any], doms: dict[s
     finally:
         if server is not None:
             await trio.to_thread.run_sync(server.stop)
-    return scores, took_s
-
-
-async def _find_modal_answers(sets: dict[str, Any], doms: dict[str, Any],
-                              out: dict[str, Any]) -> None:
-    """`modal_answers` in a thread, into out["found"] (or its error into out["error"])."""
-    import trio
-    from reinforge.actors.evaluator import modal_answers
-
-    def find() -> None:
-        try:
-            out["found"] = modal_answers(sets, doms)
-        except Exception as exc:  # noqa: BLE001 - raised by `_eval` once the server is gone
-            out["error"] = exc
-
-    await trio.to_thread.run_sync(find, abandon_on_cancel=True)
+    # After the server is gone: the constant answer needs no model, and an error of a
+    # domain's own here is not the server's ("did not start").
+    prior = await answer_prior(sets, doms) if args.answer_prior else {}
+    prior_p1 = {d: fmean(tasks.values()) for d, tasks in prior.items()}
+    for d, s in scores.items():
+        print(f"{d:10s} pass@1 {s.pass_at_1:.3f}  pass@{s.k} {s.pass_at_k:.3f}  "
+              f"tasks {s.n_tasks}  samples {s.samples}  run std {s.run_std:.3f}  "
+              f"infra errors {s.infra_errors}  refused {s.rejected_tasks}  "
+              f"modal answer {s.answer_mode_share:.2f}"
+              + (f"  turns {s.turns_mean:.2f}  tool-call errors {s.tool_call_error_rate:.2f}"
+                 if domain_tools(doms[d]) else "")
+              + (f"  constant answer's pass@1 {prior_p1[d]:.3f}" if d in prior else "")
+              + (f"  reward {s.reward_mean:.3f}  gold {s.gold_pass_rate:.3f}"
+                 if s.gold_pass_rate is not None else ""),
+              file=out)
+    result = {
+        "model": args.model or url, "k": args.k, "samples": samples, "eval_s": round(took_s, 3),
+        "domains": {d: {"pass_at_1": s.pass_at_1, "pass_at_k": s.pass_at_k, "k": s.k,
+                        "n_tasks": s.n_tasks, "samples": s.samples,
+                        "run_pass_rates": s.run_pass_rates, "run_std": s.run_std,
+                        "infra_errors": s.infra_errors, "rejected_tasks": s.rejected_tasks,
+                        "task_pass_at_1": s.task_pass_at_1,
+                        "task_counts": s.task_counts,
+                        "answer_mode_share": s.answer_mode_share,
+                        "reward_mean": s.reward_mean,
+                        **({"gold_pass_rate": s.gold_pass_rate, "task_gold": s.task_gold}
+                           if s.gold_pass_rate is not None else {}),
+                        **({"turns_mean": s.turns_mean,
+                            "tool_call_error_rate": s.tool_call_error_rate}
+                           if domain_tools(doms[d]) else {}),
+                        **({"prior_pass_at_1": prior_p1[d], "prior_task_pass": prior[d]}
+                           if d in prior else {})}
+                    for d, s in scores.items()},
+    }
+    if args.json:
+        print(json.dumps(result), flush=True)
+    return 0
 
 
 def _start_server(args: argparse.Namespace) -> Any:
