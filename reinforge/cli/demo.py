@@ -70,6 +70,10 @@ SUITE_MAX_PROMPT_TOKENS = 768
 SUITE_CONTAMINATION_OVERLAP = 0.95
 SUITE_MAX_SAMPLE_S = 0.5  # a family slower to make one task stalls the scheduler (sokoban: 9 s)
 SUITE_EVAL_TASKS_PER_TIER = 4
+SUITE_EVAL_SAMPLES = 8
+"""Samples per held-out task in the suite's evaluations. One checkpoint evaluated twice with 2
+(`bench/eval_noise.py`) read 4 domains worse by 0.05 or more, worst -0.125; with 8, 2 domains,
+worst -0.094. The evaluation takes about twice as long (batched), not four times."""
 SUITE_GUARD_DOMAINS_PER_VERSION = 10
 SUITE_FALL_ALPHA = 0.05
 """A domain's fall counts as real in the suite's summary when the test on the counts
@@ -136,6 +140,9 @@ def register(subparsers: Any) -> None:
                         "--model tiny or wide)")
     p.add_argument("--eval-k", type=int, default=None, help="pass@k's k (default 4; 2 with "
                    "--suite)")
+    p.add_argument("--eval-samples", type=int, default=None,
+                   help=f"samples per held-out task (default: k; {SUITE_EVAL_SAMPLES} with "
+                        "--suite gym)")
     p.add_argument("--eval-tasks-per-tier", type=int, default=None,
                    help=f"held-out tasks per tier (default 20; {TOOL_EVAL_TASKS_PER_TIER} with "
                         f"a tool domain; {SUITE_EVAL_TASKS_PER_TIER} with --suite)")
@@ -284,15 +291,30 @@ def ensure_models(home: Path, domains: list[str], sft_steps: int,
     return base, sft
 
 
+def eval_sizes(args: argparse.Namespace, domains: list[str]) -> tuple[int, int, int]:
+    """(held-out tasks per tier, pass@k's k, samples per task) of the demo's evaluations."""
+    from reinforge.cli import UserError
+
+    per_tier = args.eval_tasks_per_tier or (
+        SUITE_EVAL_TASKS_PER_TIER if args.suite == "gym" else
+        TOOL_EVAL_TASKS_PER_TIER if with_tools(domains) else 20)
+    k = args.eval_k or (2 if args.suite == "gym" else 4)
+    samples = args.eval_samples or (max(k, SUITE_EVAL_SAMPLES) if args.suite == "gym" else k)
+    if samples < k:
+        raise UserError(f"--eval-samples {samples}: pass@{k} needs at least {k} samples a task")
+    return per_tier, k, samples
+
+
 def evaluate(model: Path, domains: list[str], k: int, tasks_per_tier: int,
-             tiers: list[int] | None = None, *, answer_prior: bool = True,
+             tiers: list[int] | None = None, *, samples: int = 0, answer_prior: bool = True,
              reward_model: str = "") -> dict[str, Any]:
     """pass@1 and pass@k on the held-out sets, every tier of each domain (the curriculum
-    may train any of them) or `tiers`, each task's pass@1 kept for the paired comparison;
-    the constant answer's scores too, unless `answer_prior` is off (they do not depend on
-    the policy: the evaluation before training has them)."""
+    may train any of them) or `tiers`, `samples` a task (0: k), each task's pass@1 kept for
+    the paired comparison; the constant answer's scores too, unless `answer_prior` is off
+    (they do not depend on the policy: the evaluation before training has them)."""
     out = reinforge("eval", "--model", str(model), "--domains", ",".join(domains),
-                    "--k", str(k), "--tasks-per-tier", str(tasks_per_tier),
+                    "--k", str(k), "--samples", str(samples or k),
+                    "--tasks-per-tier", str(tasks_per_tier),
                     *(("--tiers", ",".join(map(str, tiers))) if tiers else ()),
                     *(() if answer_prior else ("--no-answer-prior",)),
                     *(("--reward-model", reward_model) if reward_model else ()),
@@ -457,10 +479,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         domains = [d.strip() for d in args.domains.split(",") if d.strip()]
         sft_domains = domains
-    per_tier = args.eval_tasks_per_tier or (
-        SUITE_EVAL_TASKS_PER_TIER if args.suite == "gym" else
-        TOOL_EVAL_TASKS_PER_TIER if with_tools(domains) else 20)
-    eval_k = args.eval_k or (2 if args.suite == "gym" else 4)
+    per_tier, eval_k, eval_samples = eval_sizes(args, domains)
     home = paths.home()
     run = args.run
     run_dir = paths.run_dir(run)
@@ -478,7 +497,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                            policy=args.model if made_here(args.model) else "tiny", model=model,
                            heldout=heldout)
     say(f"evaluating the starting checkpoint ({sft.name}) on the held-out sets")
-    before = evaluate(sft, domains, eval_k, per_tier, tiers, reward_model=rm_dir)
+    before = evaluate(sft, domains, eval_k, per_tier, tiers, samples=eval_samples,
+                      reward_model=rm_dir)
     before_path = run_dir / "eval_before.json"  # the evaluator's baselines at the start
     before_path.write_text(json.dumps(before))
     eval_s = before.get("eval_s", 60.0) + 30.0
@@ -510,8 +530,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     final, version = latest_checkpoint(run_dir)
     after_model = final or sft
     say(f"evaluating the final checkpoint (version {version}) on the held-out sets")
-    after = evaluate(after_model, domains, eval_k, per_tier, tiers, answer_prior=False,
-                     reward_model=rm_dir)
+    after = evaluate(after_model, domains, eval_k, per_tier, tiers, samples=eval_samples,
+                     answer_prior=False, reward_model=rm_dir)
 
     from reinforge.metrics.report import build_report
     from reinforge.rl.scoring import mean_change

@@ -332,6 +332,22 @@ def test_the_demo_starts_each_curriculum_at_the_tier_its_evaluation_found_unsolv
     assert scheduler.config["start_pass_rates"] == {"math": [0.9375, 0.5]}
 
 
+def test_the_suite_evaluates_more_samples_a_task_than_pass_at_k_needs():
+    import argparse
+
+    from reinforge.cli import UserError, demo
+
+    parser = argparse.ArgumentParser(prog="reinforge")
+    demo.register(parser.add_subparsers(dest="command"))
+    suite = parser.parse_args(["demo", "--suite", "gym"])
+    assert demo.eval_sizes(suite, ["gym-gcd"]) == (4, 2, demo.SUITE_EVAL_SAMPLES)
+    assert demo.eval_sizes(parser.parse_args(["demo"]), ["math"]) == (20, 4, 4)
+    assert demo.eval_sizes(parser.parse_args(["demo", "--suite", "gym", "--eval-samples", "2"]),
+                           ["gym-gcd"]) == (4, 2, 2)
+    with pytest.raises(UserError, match="pass@4 needs at least 4 samples"):
+        demo.eval_sizes(parser.parse_args(["demo", "--eval-samples", "2"]), ["math"])
+
+
 def test_the_demo_hands_its_evaluation_of_the_start_to_the_guard(tmp_path):
     import argparse
 
