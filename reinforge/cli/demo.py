@@ -77,8 +77,9 @@ worst -0.094. The evaluation takes about twice as long (batched), not four times
 SUITE_GUARD_DOMAINS_PER_VERSION = 10
 SUITE_FALL_ALPHA = 0.05
 """A domain's fall counts as real in the suite's summary when the test on the counts
-(`scoring.drop_test`) gives p below this. On 4 tasks of 2 samples, two evaluations of one
-checkpoint differ by 0.125 to 0.375 in several domains: a fall's size alone says little."""
+(`scoring.drop_test`) gives p below this: two evaluations of one checkpoint differ by 0.05 or
+more in a few domains even at 8 samples a task (`bench/eval_noise.py`), so a fall's size
+alone says little."""
 # `--suite rm`: rm-synthetic, rewarded by a reward model trained first (on the tiny policy:
 # a few minutes here), with the evaluator's gold guard. Its sign test needs more than the
 # forgetting guard's 4 tasks of 2 samples: it can say p < 0.05 only once 5 tasks fell, and
