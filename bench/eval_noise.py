@@ -26,7 +26,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="a checkpoint (Hugging Face format)")
     ap.add_argument("--domains", default="", help="comma-separated (default: the suite's)")
-    ap.add_argument("--samples", type=int, default=2, help="samples a task (the suite's: 2)")
+    ap.add_argument("--samples", type=int, default=2,
+                    help="samples a task (default 2; the suite demo takes 8)")
     ap.add_argument("--tasks-per-tier", type=int, default=4, help="(the suite's: 4)")
     ap.add_argument("--json", action="store_true", help="print only the JSON line")
     args = ap.parse_args()
