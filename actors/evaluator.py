@@ -25,8 +25,10 @@ the regression guard that rolls a bad version back.
   `Rollback` to the last good version (msg_id f"rollback:{to}:{bad}"); it is said loudly on
   stderr. Without a good version to go back to, it says so and publishes nothing. Given
   `start_scores` (an evaluation of the starting model), a domain not yet scored at a good
-  version is judged against the start. At start the evaluator says which domains its test
-  cannot flag at all: too few tasks and samples to reach `drop_alpha`.
+  version is judged against the start, and every domain against the start as well as its
+  baseline: a slow slide, no step of it significant, still adds up to a fall from the
+  start. At start the evaluator says which domains its test cannot flag at all: too few
+  tasks and samples to reach `drop_alpha`.
 * Over-optimisation: in a domain whose verdicts carry a `gold` check (a rule its learned
   reward only approximates), a version whose mean reward rose while its gold pass rate fell
   against the domain's gold peak (the good version with the best gold so far; the same sign
@@ -35,9 +37,12 @@ the regression guard that rolls a bad version back.
   is a slow slide, each step too small to be significant against the one before it.
   `reward_mean` and `gold_pass_rate` are in each EvalStats' figures, so the report shows
   proxy against gold.
-* Many domains: `domains_per_version` evaluates that many per version, in a fixed
-  rotation, so each domain is seen at least every ceil(D / domains_per_version) evaluated
-  versions.
+* Many domains: `domains_per_version` evaluates that many per version, in two fixed
+  rotations: the domains that can fall (unscored, or passing something at their baseline
+  or at the start) take most of the slots, those that passed nothing (they cannot fall) a
+  `zero_share` of them. Each domain is seen within ceil(n / slots) evaluated versions of
+  its group; a hundred procedural families mostly start at zero, and the guard's samples go
+  where a fall can happen.
 * Generation: the evaluator's own rollout server (`server_url`, or one it starts on the
   first version it sees), loaded with each version through /update_weights_from_disk.
 """
@@ -126,6 +131,11 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     rolled back (0: no such guard)."""
     domains_per_version: int = 0
     """Domains evaluated per version, in rotation (0: every domain every time)."""
+    zero_share: float = 0.2
+    """Of `domains_per_version`, the share (at least one, never all) kept for the domains
+    that passed nothing at their baseline nor at the start: they cannot fall, so the rest
+    goes to those that can. Slots a group cannot fill go to the other (0: the zero domains
+    are seen only then)."""
     every_versions: int = 1
     """Evaluate versions that are multiples of this."""
     server_url: str = ""
@@ -170,9 +180,11 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         if self.every_versions < 1 or self.concurrency < 1:
             raise ValueError("EvaluatorConfig: every_versions and concurrency must be >= 1")
         if not (0.0 <= self.drop_alpha < 1.0 and 0.0 <= self.gold_alpha < 1.0) or \
-                self.drop_margin < 0 or self.domains_per_version < 0:
+                self.drop_margin < 0 or self.domains_per_version < 0 or \
+                not 0.0 <= self.zero_share <= 1.0:
             raise ValueError("EvaluatorConfig: need 0 <= drop_alpha < 1, 0 <= gold_alpha < 1, "
-                             "drop_margin >= 0 and domains_per_version >= 0")
+                             "drop_margin >= 0, domains_per_version >= 0 and "
+                             "0 <= zero_share <= 1")
         if self.reward_model_spread_penalty < 0:
             raise ValueError("EvaluatorConfig.reward_model_spread_penalty must be >= 0, got "
                              f"{self.reward_model_spread_penalty}")
@@ -347,6 +359,7 @@ def regression_rollback(
     last_good: GoodVersion | None,
     *,
     baselines: Mapping[str, Baseline] | None = None,
+    starts: Mapping[str, Baseline] | None = None,
     drop_alpha: float = 0.0,
     drop_margin: float = 0.0,
     gold_peaks: Mapping[str, Baseline] | None = None,
@@ -354,12 +367,12 @@ def regression_rollback(
 ) -> tuple[list[str], Rollback | None]:
     """(domains that regressed, the Rollback to publish or None). A domain regresses when
     it is below its threshold, or (with `drop_alpha` > 0) its pass@1 fell against its
-    baseline by more than `drop_margin` with the test on the counts (`drop_test`) at
-    p < `drop_alpha`, or (with `gold_alpha` > 0, in a domain with a gold peak) its mean
-    reward rose while its gold pass rate fell against the peak by more than `drop_margin`,
-    sign test on the tasks p < `gold_alpha`:
-    over-optimised, and the rollback goes back to the peak if it is older than the last
-    good version.
+    baseline, or its start (`starts`: a slow slide, no step of it significant, still adds up
+    to a fall from the start), by more than `drop_margin` with the test on the counts
+    (`drop_test`) at p < `drop_alpha`, or (with `gold_alpha` > 0, in a domain with a gold
+    peak) its mean reward rose while its gold pass rate fell against the peak by more than
+    `drop_margin`, sign test on the tasks p < `gold_alpha`: over-optimised, and the
+    rollback goes back to the peak if it is older than the last good version.
 
     A domain without verified tasks is not judged. No rollback without a good version older
     than this one."""
@@ -369,8 +382,10 @@ def regression_rollback(
             continue
         if d in thresholds and s.pass_at_1 < thresholds[d]:
             why[d] = f"{d} pass@1 {s.pass_at_1:.3f} < {thresholds[d]:.3f}"
-        base = (baselines or {}).get(d)
-        if drop_alpha and base is not None and base.version < version and d not in why:
+        last, start = (baselines or {}).get(d), (starts or {}).get(d)
+        for base in (last,) if start is last else (last, start):
+            if not drop_alpha or base is None or base.version >= version or d in why:
+                continue
             t = drop_test(base.task_pass_at_1, s.task_pass_at_1, base.task_counts,
                           s.task_counts)
             if t.p_value < drop_alpha and t.delta < -drop_margin:
@@ -460,6 +475,40 @@ def rotation(names: Sequence[str], start: int, per_version: int) -> list[str]:
     return [names[(start + i) % len(names)] for i in range(per_version)]
 
 
+def at_stake(names: Sequence[str], baselines: Mapping[str, Baseline],
+             starts: Mapping[str, Baseline] | None = None) -> tuple[list[str], list[str]]:
+    """(the domains that can fall: not scored yet, or passing some sample at their baseline
+    or at the start (`starts`: a fall from it is a fall too); those that passed nothing at
+    either), each in `names`' order."""
+    def passed(scores: Mapping[str, Baseline], d: str) -> bool:
+        return d in scores and any(scores[d].task_pass_at_1.values())
+
+    stake = [d for d in names
+             if d not in baselines or passed(baselines, d) or passed(starts or {}, d)]
+    return stake, [d for d in names if d not in stake]
+
+
+def guard_picks(names: Sequence[str], baselines: Mapping[str, Baseline], starts: tuple[int, int],
+                per_version: int, zero_share: float,
+                start_scores: Mapping[str, Baseline] | None = None
+                ) -> tuple[list[str], list[str]]:
+    """This version's (domains that can fall, domains at zero: `at_stake`), two rotations
+    from `starts`. The zero domains get `zero_share` of `per_version` (at least one while
+    there are any, never all while some domain can fall); each group's unfilled slots go to
+    the other. Every domain that can fall is seen within ceil(n_stake / its slots) evaluated
+    versions, every zero domain within ceil(n_zero / its slots) (0 domains_per_version:
+    every domain, every version)."""
+    stake, zero = at_stake(names, baselines, start_scores)
+    if not per_version or per_version >= len(names):
+        return stake, zero
+    n_zero = min(len(zero), max(1, round(per_version * zero_share))) if zero_share else 0
+    if stake:  # never every slot while some domain can fall
+        n_zero = min(n_zero, per_version - 1)
+    n_zero = max(n_zero, per_version - len(stake))  # what the domains at stake leave over
+    return (rotation(stake, starts[0], per_version - n_zero) if per_version > n_zero else [],
+            rotation(zero, starts[1], n_zero) if n_zero else [])
+
+
 class EvaluatorState(msgspec.Struct, kw_only=True):
     last_good: GoodVersion | None = None
     baselines: dict[str, Baseline] = {}
@@ -467,7 +516,9 @@ class EvaluatorState(msgspec.Struct, kw_only=True):
     gold_peaks: dict[str, Baseline] = {}
     """Per domain with a gold check, its scores at the good version with the best gold."""
     rotation_start: int = 0
-    """Where the next version's rotation of domains begins."""
+    """Where the next version's rotation of the domains that can fall begins."""
+    zero_rotation_start: int = 0
+    """... and of the domains that passed nothing at their baseline."""
     evaluated: list[str] = []
     """f"{version}:{path}" of every version scored; a Rollback forgets those past its
     to_version, whose numbers (and paths) the learner reuses for new checkpoints."""
@@ -695,8 +746,10 @@ class Evaluator(Actor):
             self.skipped_versions += 1
             print(f"evaluator: {exc}", file=sys.stderr, flush=True)
             return
-        names = rotation(sorted(self.sets), self.state.rotation_start, cfg.domains_per_version)
-        sets = {d: self.sets[d] for d in names}
+        stake, zero = guard_picks(sorted(self.sets), self.baselines(),
+                                  (self.state.rotation_start, self.state.zero_rotation_start),
+                                  cfg.domains_per_version, cfg.zero_share, self.start)
+        sets = {d: self.sets[d] for d in stake + zero}
         with self.ctx.waiting(f"evaluating version {msg.version}", deadline_s=cfg.ack_wait_s):
             t0 = time.monotonic()
             scores = await evaluate_sets(sets, self.domains, source,
@@ -706,7 +759,8 @@ class Evaluator(Actor):
         await self.publish_scores(msg, scores, time.monotonic() - t0)
         await self.guard(msg, scores)
         await self.keep_rollback_targets(msg.version)
-        self.state.rotation_start += len(names)
+        self.state.rotation_start += len(stake)
+        self.state.zero_rotation_start += len(zero)
         self.state.evaluated.append(key)
         write_json_atomic(self.state_path, self.state)
 
@@ -732,7 +786,7 @@ class Evaluator(Actor):
         cfg: EvaluatorConfig = self.config
         below, rollback = regression_rollback(
             msg.version, scores, cfg.thresholds, self.state.last_good,
-            baselines={**self.start, **self.state.baselines}, drop_alpha=cfg.drop_alpha,
+            baselines=self.baselines(), starts=self.start, drop_alpha=cfg.drop_alpha,
             drop_margin=cfg.drop_margin, gold_peaks=self.state.gold_peaks,
             gold_alpha=cfg.gold_alpha)
         if not below:
@@ -752,6 +806,10 @@ class Evaluator(Actor):
                                        msg_id=f"rollback:{rollback.to_version}:{msg.version}"
                                               f"{epoch_tag(msg)}")
         self.state.rolled_back.append(msg.version)
+
+    def baselines(self) -> dict[str, Baseline]:
+        """Each domain's scores at the last good version that evaluated it, or its start's."""
+        return {**self.start, **self.state.baselines}
 
     async def keep_rollback_targets(self, version: int) -> None:
         """Tell the learner which checkpoints a rollback may return to (KeepVersions): the

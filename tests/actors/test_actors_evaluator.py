@@ -30,6 +30,7 @@ from reinforge.actors.evaluator import (
     answer_prior,
     evaluate_sets,
     gold_peaks_after,
+    guard_picks,
     regression_rollback,
     rotation,
     score_domain,
@@ -777,6 +778,51 @@ def test_the_test_on_counts_sees_a_fall_on_four_tasks_that_the_sign_test_cannot(
     old = {"gym-a": Baseline(version=4, task_pass_at_1=before.task_pass_at_1)}
     assert regression_rollback(6, {"gym-a": after}, {}, good, baselines=old,
                                drop_alpha=0.01, drop_margin=0.05) == ([], None)
+
+
+def test_a_slow_slide_no_step_of_which_is_significant_is_a_fall_from_the_start():
+    start = {"gym-a": Baseline.of(0, _scored([1.0] * 6 + [0.5] * 2))}
+    steps = [_scored([1.0] * 4 + [0.5] * 4), _scored([1.0] * 2 + [0.5] * 4 + [0.0] * 2),
+             _scored([0.5] * 4 + [0.0] * 4)]
+    last, good = dict(start), GoodVersion(version=0, path="/v0")
+    for version, score in zip((5, 10, 15), steps):  # each step against the last: no fall
+        assert regression_rollback(version, {"gym-a": score}, {}, good, baselines=last,
+                                   drop_alpha=0.01, drop_margin=0.05) == ([], None)
+        last, good = {"gym-a": Baseline.of(version, score)}, GoodVersion(version=version,
+                                                                          path=f"/v{version}")
+    slid = _scored([0.5] * 2 + [0.0] * 6)
+    assert regression_rollback(20, {"gym-a": slid}, {}, good, baselines=last,
+                               drop_alpha=0.01, drop_margin=0.05) == ([], None)
+    flagged, rb = regression_rollback(20, {"gym-a": slid}, {}, good, baselines=last,
+                                      starts=start, drop_alpha=0.01, drop_margin=0.05)
+    assert flagged == ["gym-a"] and rb.to_version == 15
+    assert "gym-a pass@1 fell 0.750 since v0 on 8 tasks (8 worse, 0 better" in rb.reason
+
+
+def test_the_guard_spends_its_slots_on_the_domains_that_can_fall():
+    names = [f"d{i:02d}" for i in range(20)]
+    zero = {d: Baseline.of(0, _scored([0.0] * 4)) for d in names[:15]}
+    some = {d: Baseline.of(0, _scored([0.0] * 3 + [0.5])) for d in names[15:18]}
+    baselines = {**zero, **some}  # d18, d19: not scored yet, so they can fall
+    stake_seen, zero_seen, starts = [], [], (0, 0)
+    for _ in range(3):  # ceil(15 zero domains / 1 slot) versions would see them all
+        stake, at_zero = guard_picks(names, baselines, starts, 5, 0.2)
+        assert (len(stake), len(at_zero)) == (4, 1)
+        stake_seen += stake
+        zero_seen += at_zero
+        starts = (starts[0] + len(stake), starts[1] + len(at_zero))
+    assert set(stake_seen) == set(names[15:])  # each of the 5 seen within 2 versions
+    assert stake_seen.count("d15") == 3 and zero_seen == ["d00", "d01", "d02"]
+    # the slots a group cannot fill go to the other; without a share, zero domains only so
+    all_zero = {d: zero["d00"] for d in names[:18]}
+    assert guard_picks(names, all_zero, (0, 0), 5, 0.2) == (names[18:], names[:3])
+    assert guard_picks(names, baselines, (0, 0), 5, 0.0) == (names[15:], [])
+    assert guard_picks(names, baselines, (0, 0), 0, 0.2) == (names[15:], names[:15])
+    assert guard_picks(names, baselines, (0, 0), 2, 1.0) == (["d15"], ["d00"])
+    # a domain that passed something at the start and nothing since can still fall from it
+    starts = {"d00": some["d15"]}
+    assert guard_picks(names, baselines, (0, 0), 0, 0.2, starts) == (
+        ["d00"] + names[15:], names[1:15])
 
 
 def test_the_test_on_counts_is_the_exact_law_of_passes_shuffled_within_each_task():
