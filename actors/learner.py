@@ -48,7 +48,7 @@ from typing import Any
 import msgspec
 import trio
 from reinforge.rl import checkpoint as ckpt
-from reinforge.rl.curriculum import group_has_signal
+from reinforge.rl.curriculum import MIN_REWARD_SPREAD, group_has_signal
 from reinforge.rl.grpo import AdvantageNorm, is_too_stale, segment_staleness, staleness
 from reinforge.rl.samples import prepare_samples, sample_is_valid
 from reinforge.core import paths, subjects
@@ -156,6 +156,9 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     temperature: float = RUN_DEFAULTS.temperature
     """The samplers' temperature, `[run]`: logprobs are log_softmax(logits / T) (T = 1 where
     sampling is greedy)."""
+    min_reward_spread: float = MIN_REWARD_SPREAD
+    """A group whose valid rewards differ by less than this is not trained on (no signal:
+    partial credit's crumbs are noise, and the advantage's std would scale them up)."""
     advantage_norm: AdvantageNorm = AdvantageNorm.DOMAIN_STD
     """group_std (DeepSeekMath), domain_std (per-domain batch std), none (Dr. GRPO)."""
     max_staleness: int = RUN_DEFAULTS.max_staleness
@@ -197,7 +200,7 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                 raise ValueError(f"learner config: {name} must be >= 1, got {getattr(self, name)}")
         for name in ("group_size", "max_staleness", "kl_coef", "weight_decay", "max_grad_norm",
                      "clip_low", "clip_high", "logp_mismatch_threshold_nats",
-                     "micro_batch_tokens"):
+                     "micro_batch_tokens", "min_reward_spread"):
             if getattr(self, name) < 0:
                 raise ValueError(f"learner config: {name} must be >= 0, got {getattr(self, name)}")
         if self.publish_weights not in ("path", "store"):
@@ -433,9 +436,10 @@ def rollback_source(root: Path, msg: Rollback) -> Path | None:
     return None
 
 
-def has_signal(group: Group) -> bool:
+def has_signal(group: Group, min_spread: float) -> bool:
     samples = group.ordered()
-    return group_has_signal([s.reward for s in samples], [sample_is_valid(s) for s in samples])
+    return group_has_signal([s.reward for s in samples], [sample_is_valid(s) for s in samples],
+                            min_spread)
 
 
 def say(text: str) -> None:
@@ -621,7 +625,7 @@ class Learner(Actor):
                     self.counters["dropped_stale_groups"] += 1
                     self.counters["dropped_stale_samples"] += len(samples)
                     fate = Fate.STALE
-                elif not has_signal(group):
+                elif not has_signal(group, cfg.min_reward_spread):
                     self.counters["skipped_no_signal_groups"] += 1
                     fate = Fate.NO_SIGNAL
                 else:
@@ -653,7 +657,8 @@ class Learner(Actor):
         await self._publish_decision(GroupDecision(
             task_id=group.task_id, domain=group.domain, fate=fate,
             version=self.version if version is None else version,
-            signal=has_signal(group), samples=len(group.samples),
+            signal=has_signal(group, self.config.min_reward_spread),
+            samples=len(group.samples),
             tokens=sum(len(s.rollout.output_ids) for s in group.samples.values())))
 
     async def _tell(self, task_id: str, domain: str, decided: str) -> None:

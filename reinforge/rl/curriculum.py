@@ -32,13 +32,23 @@ def informative_probability(p: float, group_size: int) -> float:
     return 1.0 - p**group_size - (1.0 - p) ** group_size
 
 
-def group_has_signal(rewards: Sequence[float], valid: Sequence[bool] | None = None) -> bool:
-    """A group carries learning signal when at least two of its valid samples' rewards differ
-    (else every GRPO advantage is zero). `valid` (default: all) leaves out samples that
-    cannot be trained on: a learner skips a group without signal and counts it."""
+MIN_REWARD_SPREAD = 0.05
+"""Rewards closer than this are equal to the signal rule. A scorer's crumbs of credit for a
+wrong answer (0.01 for a well-formed one, 1e-3 for being near) would otherwise make a group
+of failures look informative, and a std-normalised advantage blows their difference up to
+the size of a pass against a fail: the budget and the gradient would go to noise."""
+
+
+def group_has_signal(rewards: Sequence[float], valid: Sequence[bool] | None = None,
+                     min_spread: float = MIN_REWARD_SPREAD) -> bool:
+    """A group carries learning signal when its valid samples' rewards differ by at least
+    `min_spread` (else its GRPO advantages are zero, or noise scaled up). `valid` (default:
+    all) leaves out samples that cannot be trained on: a learner skips a group without
+    signal and counts it."""
     if valid is not None:
         rewards = [r for r, ok in zip(rewards, valid, strict=True) if ok]
-    return len(rewards) >= 2 and max(rewards) != min(rewards)
+    spread = max(rewards) - min(rewards) if len(rewards) >= 2 else 0.0
+    return spread > 0 and spread >= min_spread
 
 
 # ----------------------------------------------------------------------------- curriculum

@@ -45,6 +45,18 @@ def test_a_group_has_signal_only_when_its_valid_rewards_differ():
     assert not group_has_signal([1, 0, 0], [False, True, True])
 
 
+def test_rewards_closer_than_the_reward_spread_carry_no_signal():
+    """reasoning-gym's crumbs of credit: 0.01 for a well-formed wrong answer, a closeness
+    of 1e-3 for a near one. A group of such failures is not worth a full-size advantage."""
+    assert not group_has_signal([0.01, 0.0, 0.01, 0.0])
+    assert not group_has_signal([0.0012, 0.00018, 0.0])
+    assert group_has_signal([0.06, 0.0, 0.0])  # futoshiki's partial grids: credit enough
+    assert group_has_signal([1.0, 0.01, 0.0])
+    assert group_has_signal([0.01, 0.0], min_spread=0.0)  # 0: any difference at all
+    assert not group_has_signal([0.3, 0.3], min_spread=0.0)
+    assert not group_has_signal([0.3, 1.0, 0.0], [True, False, True], min_spread=0.5)
+
+
 def test_the_curriculum_moves_a_domain_up_a_tier_when_its_tasks_are_all_solved():
     cur = DomainCurriculum.new(CFG, n_tiers=3)
     moves = [cur.record(0, 1.0) for _ in range(3)]
