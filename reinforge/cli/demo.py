@@ -65,7 +65,7 @@ SANDBOX_POOL_SIZE = 2
 GUARD_TASKS_PER_TIER = 4
 GUARD_MARGIN = 0.25
 # `--suite gym`: every reasoning-gym family whose tier-0 prompt fits this many tokens (long
-# prompts cost a CPU much prefill), evaluated on tier 0, the guard rotating over 10 a version.
+# prompts cost a CPU much prefill), evaluated on tier 0, the guard rotating over 5 a version.
 SUITE_MAX_PROMPT_TOKENS = 768
 SUITE_CONTAMINATION_OVERLAP = 0.95
 SUITE_MAX_SAMPLE_S = 0.5  # a family slower to make one task stalls the scheduler (sokoban: 9 s)
@@ -74,7 +74,14 @@ SUITE_EVAL_SAMPLES = 8
 """Samples per held-out task in the suite's evaluations. One checkpoint evaluated twice with 2
 (`bench/eval_noise.py`) read 4 domains worse by 0.05 or more, worst -0.125; with 8, 2 domains,
 worst -0.094. The evaluation takes about twice as long (batched), not four times."""
-SUITE_GUARD_DOMAINS_PER_VERSION = 10
+SUITE_GUARD_DOMAINS_PER_VERSION = 5
+SUITE_GUARD_SAMPLES = 8
+SUITE_GUARD_DROP_ALPHA = 0.05
+"""The suite's guard takes 8 samples a task, as its evaluations do, on 5 domains a version
+(mostly those that can fall: `EvaluatorConfig.zero_share`), and rolls back a fall the test
+on the counts finds at p < 0.05. At 2 samples it saw binary_alternation go 0.50, 0.25, 0.12,
+0 and flagged nothing; the final evaluation's 6 of 32 passes to 0 of 32 gives p = 0.01,
+which the evaluator's default 0.01 does not count."""
 SUITE_FALL_ALPHA = 0.05
 """A domain's fall counts as real in the suite's summary when the test on the counts
 (`scoring.drop_test`) gives p below this: two evaluations of one checkpoint differ by 0.05 or
@@ -364,6 +371,8 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
     rm = f", reward_model = {json.dumps(reward_model)}" if reward_model else ""
     guard_tasks = RM_GUARD_TASKS if reward_model else GUARD_TASKS_PER_TIER
     guard_extra = (f", samples = {RM_GUARD_SAMPLES}" if reward_model else "") + (
+        f", samples = {SUITE_GUARD_SAMPLES}, drop_alpha = {SUITE_GUARD_DROP_ALPHA}"
+        if guard_rotation else "") + (
         f", start_scores = {json.dumps(str(start_scores))}" if start_scores else "")
     evaluator = "" if guard is None else f"""
 [[actors]]

@@ -332,6 +332,36 @@ def test_the_demo_starts_each_curriculum_at_the_tier_its_evaluation_found_unsolv
     assert scheduler.config["start_pass_rates"] == {"math": [0.9375, 0.5]}
 
 
+def test_the_suites_guard_takes_the_suites_samples_on_a_few_domains_a_version(tmp_path):
+    """At 2 samples a task, or at p < 0.01, the guard could not flag the falls from 0.19 to 0
+    that the suite's final evaluation found; the other demos keep the cheaper guard."""
+    import argparse
+
+    from reinforge.actors.evaluator import EvaluatorConfig
+    from reinforge.cli import demo
+    from reinforge.core.cluster import load_cluster_config
+
+    parser = argparse.ArgumentParser(prog="reinforge")
+    demo.register(parser.add_subparsers(dest="command"))
+    config = tmp_path / "demo.toml"
+
+    def evaluator(rotation: int) -> EvaluatorConfig:
+        config.write_text(demo.cluster_config(
+            "g", tmp_path, tmp_path / "sft", ["gym-gcd", "gym-ab"], parser.parse_args(["demo"]),
+            guard={"gym-gcd": 0.0, "gym-ab": 0.0}, guard_rotation=rotation))
+        actor, = [a for a in load_cluster_config(config).actors
+                  if a.spec.endswith(":Evaluator")]
+        return msgspec.convert(actor.config, EvaluatorConfig)
+
+    suite, plain = evaluator(demo.SUITE_GUARD_DOMAINS_PER_VERSION), evaluator(0)
+    assert (suite.samples, suite.drop_alpha, suite.domains_per_version) == (
+        demo.SUITE_GUARD_SAMPLES, demo.SUITE_GUARD_DROP_ALPHA,
+        demo.SUITE_GUARD_DOMAINS_PER_VERSION) == (8, 0.05, 5)
+    defaults = EvaluatorConfig()
+    assert (plain.samples, plain.drop_alpha, plain.domains_per_version) == (
+        defaults.samples, defaults.drop_alpha, 0)
+
+
 def test_the_suite_evaluates_more_samples_a_task_than_pass_at_k_needs():
     import argparse
 
