@@ -488,25 +488,24 @@ def at_stake(names: Sequence[str], baselines: Mapping[str, Baseline],
     return stake, [d for d in names if d not in stake]
 
 
-def guard_picks(names: Sequence[str], baselines: Mapping[str, Baseline], starts: tuple[int, int],
-                per_version: int, zero_share: float,
-                start_scores: Mapping[str, Baseline] | None = None
-                ) -> tuple[list[str], list[str]]:
+def guard_picks(names: Sequence[str], baselines: Mapping[str, Baseline],
+                positions: tuple[int, int], per_version: int, zero_share: float,
+                starts: Mapping[str, Baseline] | None = None) -> tuple[list[str], list[str]]:
     """This version's (domains that can fall, domains at zero: `at_stake`), two rotations
-    from `starts`. The zero domains get `zero_share` of `per_version` (at least one while
+    from `positions`. The zero domains get `zero_share` of `per_version` (at least one while
     there are any, never all while some domain can fall); each group's unfilled slots go to
     the other. Every domain that can fall is seen within ceil(n_stake / its slots) evaluated
     versions, every zero domain within ceil(n_zero / its slots) (0 domains_per_version:
     every domain, every version)."""
-    stake, zero = at_stake(names, baselines, start_scores)
+    stake, zero = at_stake(names, baselines, starts)
     if not per_version or per_version >= len(names):
         return stake, zero
     n_zero = min(len(zero), max(1, round(per_version * zero_share))) if zero_share else 0
     if stake:  # never every slot while some domain can fall
         n_zero = min(n_zero, per_version - 1)
     n_zero = max(n_zero, per_version - len(stake))  # what the domains at stake leave over
-    return (rotation(stake, starts[0], per_version - n_zero) if per_version > n_zero else [],
-            rotation(zero, starts[1], n_zero) if n_zero else [])
+    return (rotation(stake, positions[0], per_version - n_zero) if per_version > n_zero else [],
+            rotation(zero, positions[1], n_zero) if n_zero else [])
 
 
 class EvaluatorState(msgspec.Struct, kw_only=True):

@@ -804,13 +804,13 @@ def test_the_guard_spends_its_slots_on_the_domains_that_can_fall():
     zero = {d: Baseline.of(0, _scored([0.0] * 4)) for d in names[:15]}
     some = {d: Baseline.of(0, _scored([0.0] * 3 + [0.5])) for d in names[15:18]}
     baselines = {**zero, **some}  # d18, d19: not scored yet, so they can fall
-    stake_seen, zero_seen, starts = [], [], (0, 0)
+    stake_seen, zero_seen, positions = [], [], (0, 0)
     for _ in range(3):  # ceil(15 zero domains / 1 slot) versions would see them all
-        stake, at_zero = guard_picks(names, baselines, starts, 5, 0.2)
+        stake, at_zero = guard_picks(names, baselines, positions, 5, 0.2)
         assert (len(stake), len(at_zero)) == (4, 1)
         stake_seen += stake
         zero_seen += at_zero
-        starts = (starts[0] + len(stake), starts[1] + len(at_zero))
+        positions = (positions[0] + len(stake), positions[1] + len(at_zero))
     assert set(stake_seen) == set(names[15:])  # each of the 5 seen within 2 versions
     assert stake_seen.count("d15") == 3 and zero_seen == ["d00", "d01", "d02"]
     # the slots a group cannot fill go to the other; without a share, zero domains only so
