@@ -382,8 +382,7 @@ def regression_rollback(
             continue
         if d in thresholds and s.pass_at_1 < thresholds[d]:
             why[d] = f"{d} pass@1 {s.pass_at_1:.3f} < {thresholds[d]:.3f}"
-        last, start = (baselines or {}).get(d), (starts or {}).get(d)
-        for base in (last,) if start is last else (last, start):
+        for base in ((baselines or {}).get(d), (starts or {}).get(d)):
             if not drop_alpha or base is None or base.version >= version or d in why:
                 continue
             t = drop_test(base.task_pass_at_1, s.task_pass_at_1, base.task_counts,
@@ -483,8 +482,9 @@ def at_stake(names: Sequence[str], baselines: Mapping[str, Baseline],
     def passed(scores: Mapping[str, Baseline], d: str) -> bool:
         return d in scores and any(scores[d].task_pass_at_1.values())
 
-    stake = [d for d in names
-             if d not in baselines or passed(baselines, d) or passed(starts or {}, d)]
+    starts = starts or {}
+    stake = [d for d in names if (d not in baselines and d not in starts)
+             or passed(baselines, d) or passed(starts, d)]
     return stake, [d for d in names if d not in stake]
 
 
@@ -745,7 +745,7 @@ class Evaluator(Actor):
             self.skipped_versions += 1
             print(f"evaluator: {exc}", file=sys.stderr, flush=True)
             return
-        stake, zero = guard_picks(sorted(self.sets), self.baselines(),
+        stake, zero = guard_picks(sorted(self.sets), self.state.baselines,
                                   (self.state.rotation_start, self.state.zero_rotation_start),
                                   cfg.domains_per_version, cfg.zero_share, self.start)
         sets = {d: self.sets[d] for d in stake + zero}
@@ -785,7 +785,7 @@ class Evaluator(Actor):
         cfg: EvaluatorConfig = self.config
         below, rollback = regression_rollback(
             msg.version, scores, cfg.thresholds, self.state.last_good,
-            baselines=self.baselines(), starts=self.start, drop_alpha=cfg.drop_alpha,
+            baselines=self.state.baselines, starts=self.start, drop_alpha=cfg.drop_alpha,
             drop_margin=cfg.drop_margin, gold_peaks=self.state.gold_peaks,
             gold_alpha=cfg.gold_alpha)
         if not below:
@@ -805,10 +805,6 @@ class Evaluator(Actor):
                                        msg_id=f"rollback:{rollback.to_version}:{msg.version}"
                                               f"{epoch_tag(msg)}")
         self.state.rolled_back.append(msg.version)
-
-    def baselines(self) -> dict[str, Baseline]:
-        """Each domain's scores at the last good version that evaluated it, or its start's."""
-        return {**self.start, **self.state.baselines}
 
     async def keep_rollback_targets(self, version: int) -> None:
         """Tell the learner which checkpoints a rollback may return to (KeepVersions): the
