@@ -43,6 +43,11 @@ the regression guard that rolls a bad version back.
   `zero_share` of them. Each domain is seen within ceil(n / slots) evaluated versions of
   its group; a hundred procedural families mostly start at zero, and the guard's samples go
   where a fall can happen.
+* Paired draws: every evaluation samples task t with the seed `task_seed(sampling_seed, t)`
+  (the server draws sample j from its own generator, seeded that plus j, by inverse CDF), so
+  two checkpoints evaluated with one seed meet the same random numbers. Where the policy did
+  not change, their samples are the same; where it changed a little, most still are: a
+  difference between two evaluations is the policy's, not the dice's (common random numbers).
 * Generation: the evaluator's own rollout server (`server_url`, or one it starts on the
   first version it sees), loaded with each version through /update_weights_from_disk.
 """
@@ -50,6 +55,7 @@ the regression guard that rolls a bad version back.
 from __future__ import annotations
 
 import functools
+import hashlib
 import shutil
 import sys
 import time
@@ -111,8 +117,13 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     heldout: HeldOutConfig = HeldOutConfig()
     """The held-out sets; `[run]` (the scheduler never trains on them)."""
     score_per_tier: int = 0
-    """Score at most this many of each tier's held-out tasks, the first ones (0: all): a
-    cheaper guard on a subset of the run's held-out sets."""
+    """Score at most this many of each tier's held-out tasks, the first ones after
+    `skip_per_tier` (0: all the rest): a cheaper guard on a subset of the run's held-out
+    sets."""
+    skip_per_tier: int = 0
+    """Leave each tier's first this many held-out tasks unscored: those a final evaluation
+    reports, so that the guard's choices (what to roll back) are made on other tasks than
+    the figures the run is judged by (a validation slice apart from the test slice)."""
     thresholds: dict[str, float] = {}
     """Minimum pass@1 per domain; below it, the version is rolled back."""
     drop_alpha: float = 0.01
@@ -150,6 +161,12 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     max_new_tokens: int = 128
     eval_temperature: float = 1.0
     """The evaluator's own sampling temperature (not the run's: greedy evaluation is 0)."""
+    sampling_seed: int | None = 0
+    """Each task's samples are drawn with `task_seed(sampling_seed, task_id)`, as `reinforge
+    eval --sampling-seed` draws them, so versions and the start compare on the same draws
+    (None: the server's shared RNG, fresh draws every time). SGLang honours a seed only under
+    `--enable-deterministic-inference`, and there gives one sample n times: on SGLang leave
+    that flag off (the seed is then ignored) or set None."""
     top_p: float = 1.0
     chat_template: bool = True
     """Wrap prompts in the tokenizer's chat template, as the sampler does."""
@@ -177,8 +194,9 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         if self.k < 1 or n < self.k:
             raise ValueError(f"EvaluatorConfig: need 1 <= k <= samples, got k={self.k}, "
                              f"samples={n}")
-        if self.every_versions < 1 or self.concurrency < 1:
-            raise ValueError("EvaluatorConfig: every_versions and concurrency must be >= 1")
+        if self.every_versions < 1 or self.concurrency < 1 or self.skip_per_tier < 0:
+            raise ValueError("EvaluatorConfig: every_versions and concurrency must be >= 1, "
+                             "skip_per_tier >= 0")
         if not (0.0 <= self.drop_alpha < 1.0 and 0.0 <= self.gold_alpha < 1.0) or \
                 self.drop_margin < 0 or self.domains_per_version < 0 or \
                 not 0.0 <= self.zero_share <= 1.0:
@@ -193,15 +211,17 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 # ----------------------------------------------------------------------------- scoring
 
 
-def first_per_tier(sets: Mapping[str, Sequence[TaskSpec]], n: int) -> dict[str, list[TaskSpec]]:
-    """Each domain's first `n` tasks of every tier, in order (0: all of them)."""
+def first_per_tier(sets: Mapping[str, Sequence[TaskSpec]], n: int,
+                   skip: int = 0) -> dict[str, list[TaskSpec]]:
+    """Each domain's first `n` tasks of every tier after its first `skip`, in order (n = 0:
+    all the rest)."""
     out: dict[str, list[TaskSpec]] = {}
     for domain, tasks in sets.items():
-        taken: dict[int, int] = {}
+        seen: dict[int, int] = {}
         out[domain] = []
         for task in tasks:
-            if not n or taken.get(task.tier, 0) < n:
-                taken[task.tier] = taken.get(task.tier, 0) + 1
+            i = seen[task.tier] = seen.get(task.tier, 0) + 1
+            if skip < i and (not n or i <= skip + n):
                 out[domain].append(task)
     return out
 
@@ -542,16 +562,30 @@ def loud(text: str) -> None:
 # ----------------------------------------------------------------------------- generation
 
 
+def task_seed(seed: int, task_id: str) -> int:
+    """The sampling seed of `task_id`'s samples under evaluation seed `seed`: the same for
+    every checkpoint, different across tasks, below 2**31 with room for the sample index the
+    server adds."""
+    digest = hashlib.blake2b(f"{seed}:{task_id}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big") >> 2
+
+
 class ServerSource:
-    """Completions from a rollout server (SGLang API), prompts as the sampler builds them."""
+    """Completions from a rollout server (SGLang API), prompts as the sampler builds them;
+    with a `seed`, each task's samples (each episode's turns) drawn with a seed of their own
+    (`task_seed`), the same whichever checkpoint the server holds."""
 
     def __init__(self, client: Any, tokenizer: Any, *, max_new_tokens: int, temperature: float,
-                 top_p: float = 1.0, chat_template: bool = True) -> None:
+                 top_p: float = 1.0, chat_template: bool = True, seed: int | None = None) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.params = {"max_new_tokens": max_new_tokens, "temperature": temperature,
                        "top_p": top_p}
         self.chat_template = chat_template
+        self.seed = seed
+
+    def seeded(self, key: str) -> dict[str, int]:
+        return {} if self.seed is None else {"sampling_seed": task_seed(self.seed, key)}
 
     def prompt_ids(self, prompt: str, tools: Sequence[Any] = ()) -> list[int]:
         return task_prompt_ids(self.tokenizer, prompt, chat_template=self.chat_template,
@@ -561,13 +595,15 @@ class ServerSource:
         ids = self.prompt_ids(task.prompt, domain_tools(domain))
         if not getattr(domain, "multi_turn", False):
             samples = await self.client.generate(
-                input_ids=ids, sampling_params={**self.params, "n": n})
+                input_ids=ids, sampling_params={**self.params, "n": n,
+                                                **self.seeded(task.task_id)})
             return [s.text for s in samples]
         out = [""] * n
 
         async def play(i: int) -> None:  # an episode, as the sampler runs it
+            turn = functools.partial(self._turn, len(ids), f"{task.task_id}#{i}")
             trace = await run_episode(domain, task, ids, tokenizer=self.tokenizer,
-                                      generate=functools.partial(self._turn, len(ids)),
+                                      generate=turn,
                                       version_of=lambda v: 0, chat_template=self.chat_template)
             out[i] = trace.completion
 
@@ -576,12 +612,13 @@ class ServerSource:
                 nursery.start_soon(play, i)
         return out
 
-    async def _turn(self, n_prompt: int, ids: list[int], stop: list[str]) -> Any:
+    async def _turn(self, n_prompt: int, episode: str, ids: list[int], stop: list[str]) -> Any:
         from reinforge.rollout.client import RolloutRequestError
 
-        try:
+        try:  # a turn's seed: its episode's and where the transcript stands
             (s,) = await self.client.generate(
-                input_ids=ids, sampling_params={**self.params, "n": 1, "stop": stop})
+                input_ids=ids, sampling_params={**self.params, "n": 1, "stop": stop,
+                                                **self.seeded(f"{episode}@{len(ids)}")})
         except RolloutRequestError:
             if len(ids) == n_prompt:
                 raise  # the task's own prompt is refused: counted as rejected
@@ -608,7 +645,7 @@ class Evaluator(Actor):
         self.domain_names = self.registry.resolve(cfg.domains, where="EvaluatorConfig.domains")
         self.domains = {d: self.registry.get(d) for d in self.domain_names}
         self.sets = first_per_tier(build_heldout(self.registry, self.domain_names, cfg.heldout),
-                                   cfg.score_per_tier)
+                                   cfg.score_per_tier, cfg.skip_per_tier)
         checker = ContaminationChecker(
             [(t.task_id, t.prompt) for ts in self.sets.values() for t in ts],
             n=cfg.contamination_n, min_overlap=cfg.contamination_min_overlap,
@@ -841,7 +878,7 @@ class Evaluator(Actor):
             raise gone from exc
         return ServerSource(self.client, self.tokenizer, max_new_tokens=cfg.max_new_tokens,
                             temperature=cfg.eval_temperature, top_p=cfg.top_p,
-                            chat_template=cfg.chat_template)
+                            chat_template=cfg.chat_template, seed=cfg.sampling_seed)
 
     async def _serve(self, msg: WeightsPublished) -> None:
         cfg: EvaluatorConfig = self.config

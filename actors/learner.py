@@ -161,6 +161,10 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     partial credit's crumbs are noise, and the advantage's std would scale them up)."""
     advantage_norm: AdvantageNorm = AdvantageNorm.DOMAIN_STD
     """group_std (DeepSeekMath), domain_std (per-domain batch std), none (Dr. GRPO)."""
+    advantage_scale_floor: float = 0.0
+    """The advantages' divisor (the group's or the domain's reward std) is at least this:
+    a group whose rewards barely differ (partial credit) is not pushed as hard as a pass
+    against a fail (`grpo.group_advantages`; 0.25 leaves 0/1 groups of up to 16 alone)."""
     max_staleness: int = RUN_DEFAULTS.max_staleness
     """Groups generated more than this many versions ago are dropped (and counted); `[run]`."""
     keep_last: int = 3
@@ -200,7 +204,7 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                 raise ValueError(f"learner config: {name} must be >= 1, got {getattr(self, name)}")
         for name in ("group_size", "max_staleness", "kl_coef", "weight_decay", "max_grad_norm",
                      "clip_low", "clip_high", "logp_mismatch_threshold_nats",
-                     "micro_batch_tokens", "min_reward_spread"):
+                     "micro_batch_tokens", "min_reward_spread", "advantage_scale_floor"):
             if getattr(self, name) < 0:
                 raise ValueError(f"learner config: {name} must be >= 0, got {getattr(self, name)}")
         if self.publish_weights not in ("path", "store"):
@@ -681,7 +685,8 @@ class Learner(Actor):
         cfg: LearnerConfig = self.config
         version = self.version + 1
         self._in_flight[version] = batch
-        samples, figures = prepare_samples([g.ordered() for g in batch], cfg.advantage_norm)
+        samples, figures = prepare_samples([g.ordered() for g in batch], cfg.advantage_norm,
+                                           cfg.advantage_scale_floor)
         stale = [staleness(self.version, s.policy_version) for s in samples]  # oldest segment
         segments = segment_staleness(self.version, [s.rollout.segments() for g in batch
                                                     for s in g.ordered()])

@@ -1,17 +1,27 @@
-"""Benchmark: the noise floor of a held-out evaluation, one checkpoint evaluated twice.
+"""Benchmark: the noise floor of a held-out evaluation, and what paired draws take off it.
 
-Nothing changed between the two evaluations, so every per-domain change they show is
-sampling noise: what a before/after comparison of that size reads when training did nothing.
-Both go through `reinforge eval` (the embedded rollout server, the demo's sizes: tier 0,
-`--tasks-per-tier` tasks of `--samples` samples each), the first standing as the baseline,
-and are summarised as the suite demo summarises its before/after (`reinforge.cli.demo`):
-domains that moved, improved by 0.10 or more, worse by 0.05 or more, the worst drop, and the
-falls the test on the counts finds at p < 0.05.
+One checkpoint (`--model`) evaluated with two sampling seeds: nothing changed between the
+two evaluations, so every per-domain change they show is sampling noise, what a
+before/after comparison of that size reads when training did nothing and the two
+evaluations draw apart. (With one seed the two are the same samples: no noise at all.)
 
-    python bench/eval_noise.py --model DIR --json        # last line: one JSON object
+With `--versus B`, the comparison a demo makes: the start (`--model`) against a trained
+checkpoint B, each evaluated with seeds 1 and 2. Two paired readings of the change (B and
+the start on one seed: 1 with 1, 2 with 2, as the demo compares) and two unpaired ones (1
+with 2, 2 with 1) read the same change; how far the two readings of each kind disagree
+is the noise each kind of comparison carries, the baseline being the unpaired one.
+
+Every evaluation goes through `reinforge eval` (the embedded rollout server, the demo's
+sizes: tier 0, `--tasks-per-tier` tasks of `--samples` samples each) and is summarised as
+the suite demo summarises its before/after (`reinforge.cli.demo`): domains that moved,
+improved by 0.10 or more, worse by 0.05 or more, the worst drop, and the falls the test on
+the counts finds at p < 0.05.
+
+    python bench/eval_noise.py --model DIR [--versus DIR] --json   # last line: one JSON
 
 `--domains` defaults to the suite's (`reinforge demo --suite gym`); the suite's warm start,
-once a suite demo has made it, is `.reinforge/models/sft-<n>domains-<hash>-150`.
+once a suite demo has made it, is `.reinforge/models/sft-<n>domains-<hash>-150`, and its
+checkpoints are in `.reinforge/runs/<run>/checkpoints/`.
 """
 
 from __future__ import annotations
@@ -20,59 +30,95 @@ import argparse
 import json
 import time
 from pathlib import Path
+from statistics import fmean, median
+from typing import Any
+
+SEEDS = (1, 2)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="a checkpoint (Hugging Face format)")
+    ap.add_argument("--versus", default="", help="a trained checkpoint to compare it with")
     ap.add_argument("--domains", default="", help="comma-separated (default: the suite's)")
-    ap.add_argument("--samples", type=int, default=2,
-                    help="samples a task (default 2; the suite demo takes 8)")
+    ap.add_argument("--samples", type=int, default=8,
+                    help="samples a task (default 8, the suite demo's)")
     ap.add_argument("--tasks-per-tier", type=int, default=4, help="(the suite's: 4)")
+    ap.add_argument("--held-per-tier", type=int, default=8,
+                    help="held-out tasks a tier in the run (the suite's: 4 reported + 4 for "
+                         "its guard)")
     ap.add_argument("--json", action="store_true", help="print only the JSON line")
     args = ap.parse_args()
 
-    from reinforge.cli.demo import (
-        change_and_fall,
-        evaluate,
-        suite_domains,
-        suite_summary,
-    )
+    from reinforge.cli.demo import evaluate, suite_domains
 
-    if not (Path(args.model) / "config.json").is_file():
-        ap.error(f"--model {args.model}: no config.json there")
+    for model in filter(None, (args.model, args.versus)):
+        if not (Path(model) / "config.json").is_file():
+            ap.error(f"{model}: no config.json there")
     domains = [d for d in args.domains.split(",") if d] or suite_domains()[0]
-    runs, seconds = [], []
-    for i in range(2):
-        t0 = time.perf_counter()
-        runs.append(evaluate(Path(args.model), domains, args.samples, args.tasks_per_tier,
-                             [0], answer_prior=False))
-        seconds.append(round(time.perf_counter() - t0, 1))
-        if not args.json:
-            print(f"evaluation {i + 1} of 2: {seconds[-1]} s", flush=True)
-    first, second = runs
-    changes, falls = {}, {}
-    for d in domains:
-        changes[d], falls[d] = change_and_fall(first, second, d)
-    summary = suite_summary(changes, {}, falls=falls)
-    del summary["left_out"]
-    result = {
+    models = {"start": args.model, **({"trained": args.versus} if args.versus else {})}
+    runs: dict[tuple[str, int], dict[str, Any]] = {}
+    seconds = []
+    for name, model in models.items():
+        for seed in SEEDS:
+            t0 = time.perf_counter()
+            runs[name, seed] = evaluate(Path(model), domains, 2, args.tasks_per_tier, [0],
+                                        samples=args.samples, answer_prior=False,
+                                        held_per_tier=args.held_per_tier, seed=seed)
+            seconds.append(round(time.perf_counter() - t0, 1))
+            if not args.json:
+                print(f"{name} with seed {seed}: {seconds[-1]} s", flush=True)
+    result: dict[str, Any] = {
         "bench": "eval_noise",
-        "path": "reinforge eval: the embedded rollout server, the same checkpoint twice",
-        "model": args.model,
-        "tasks_per_tier": args.tasks_per_tier,
-        "samples": args.samples,
-        "tiers": [0],
-        "moved": sum(c.delta != 0 for c in changes.values()),
-        **summary,
+        "path": "reinforge eval: the embedded rollout server, tier 0, seeds "
+                f"{SEEDS[0]} and {SEEDS[1]}",
+        "model": args.model, "versus": args.versus,
+        "tasks_per_tier": args.tasks_per_tier, "samples": args.samples,
         "eval_s": seconds,
     }
-    if not args.json:
+    if not args.versus:  # the baseline: what one checkpoint reads against itself, apart
+        result["noise"] = reading(runs["start", 1], runs["start", 2], domains, args.json)
+    else:
+        a, b = (("start", s) for s in SEEDS), (("trained", s) for s in SEEDS)
+        (a1, a2), (b1, b2) = [runs[k] for k in a], [runs[k] for k in b]
+        paired = [reading(a1, b1, domains), reading(a2, b2, domains)]
+        unpaired = [reading(a1, b2, domains), reading(a2, b1, domains)]
+        result["paired"] = {"readings": paired, **disagreement(paired)}
+        result["unpaired"] = {"readings": unpaired, **disagreement(unpaired)}
+        result["disagreement_ratio"] = round(
+            result["paired"]["mean_abs_disagreement"]
+            / max(1e-9, result["unpaired"]["mean_abs_disagreement"]), 3)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+def reading(before: dict[str, Any], after: dict[str, Any], domains: list[str],
+            quiet: bool = True) -> dict[str, Any]:
+    """The suite's summary of one before/after, with each domain's change."""
+    from reinforge.cli.demo import change_and_fall, suite_summary
+
+    changes, falls = {}, {}
+    for d in domains:
+        changes[d], falls[d] = change_and_fall(before, after, d)
+    summary = suite_summary(changes, {}, falls=falls)
+    del summary["left_out"]
+    if not quiet:
         for d in sorted(changes, key=lambda d: changes[d].delta):
             if changes[d].delta:
                 print(f"{d:32s} {changes[d].delta:+.3f}  fall p {falls[d].p_value:.3f}")
-    print(json.dumps(result), flush=True)
-    return 0
+    return {"moved": sum(c.delta != 0 for c in changes.values()), **summary,
+            "deltas": {d: round(c.delta, 4) for d, c in changes.items()}}
+
+
+def disagreement(readings: list[dict[str, Any]]) -> dict[str, Any]:
+    """How far two readings of one change disagree, domain by domain."""
+    first, second = (r["deltas"] for r in readings)
+    gaps = [abs(first[d] - second[d]) for d in first]
+    return {"mean_abs_disagreement": round(fmean(gaps), 4),
+            "median_abs_disagreement": round(median(gaps), 4),
+            "domains_disagreeing_by_0_05": sum(g >= 0.05 for g in gaps),
+            "worse_by_0_05": [r["worse_by_0_05"] for r in readings],
+            "improved_by_0_10": [r["improved_by_0_10"] for r in readings]}
 
 
 if __name__ == "__main__":

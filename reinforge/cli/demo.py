@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from reinforge.cli import reinforge_argv
 from reinforge.core.children import die_with_parent, exit_on_sigterm
 
@@ -61,7 +63,9 @@ TOOL_EVAL_TASKS_PER_TIER = 5
 SANDBOX_POOL_SIZE = 2
 # The forgetting guard in the run: every `--guard-every` versions (25: about a minute here)
 # on 4 held-out tasks per tier, k = 2; a version whose pass@1 falls GUARD_MARGIN below the
-# SFT start's is rolled back. The margin is wide because so small a set is noisy.
+# SFT start's is rolled back. The margin is wide because so small a set is noisy. The guard's
+# tasks are held out after those the before/after evaluation reports: what it rolls back is
+# chosen on other tasks than the run is judged by.
 GUARD_TASKS_PER_TIER = 4
 GUARD_MARGIN = 0.25
 # `--suite gym`: every reasoning-gym family whose tier-0 prompt fits this many tokens (long
@@ -71,9 +75,10 @@ SUITE_CONTAMINATION_OVERLAP = 0.95
 SUITE_MAX_SAMPLE_S = 0.5  # a family slower to make one task stalls the scheduler (sokoban: 9 s)
 SUITE_EVAL_TASKS_PER_TIER = 4
 SUITE_EVAL_SAMPLES = 8
-"""Samples per held-out task in the suite's evaluations. One checkpoint evaluated twice with 2
-(`bench/eval_noise.py`) read 4 domains worse by 0.05 or more, worst -0.125; with 8, 2 domains,
-worst -0.094. The evaluation takes about twice as long (batched), not four times."""
+"""Samples per held-out task in the suite's evaluations. One checkpoint evaluated twice, the
+draws apart, at 2 (`bench/eval_noise.py`) read 4 domains worse by 0.05 or more, worst
+-0.125; at 8, 2 domains, worst -0.094. The evaluation takes about twice as long (batched),
+not four times."""
 SUITE_GUARD_DOMAINS_PER_VERSION = 5
 SUITE_GUARD_SAMPLES = 8
 SUITE_GUARD_DROP_ALPHA = 0.05
@@ -82,11 +87,17 @@ SUITE_GUARD_DROP_ALPHA = 0.05
 on the counts finds at p < 0.05. At 2 samples it saw binary_alternation go 0.50, 0.25, 0.12,
 0 and flagged nothing; the final evaluation's 6 of 32 passes to 0 of 32 gives p = 0.01,
 which the evaluator's default 0.01 does not count."""
+SUITE_ADVANTAGE_SCALE_FLOOR = 0.25
+"""The suite's learner divides a group's centred rewards by at least this
+(`LearnerConfig.advantage_scale_floor`). Many families score a wrong answer a little (aiw
+0.2, futoshiki 0.056 a cell); with 2 groups a version the domain's std is the group's own,
+and a group of 0, 0, 0.06, 0 pushed the 0.06 answer as hard as a pass. aiw and
+basic_arithmetic, trained that way on 15 and 9 groups, fell 0.125 and 0.094."""
 SUITE_FALL_ALPHA = 0.05
 """A domain's fall counts as real in the suite's summary when the test on the counts
-(`scoring.drop_test`) gives p below this: two evaluations of one checkpoint differ by 0.05 or
-more in a few domains even at 8 samples a task (`bench/eval_noise.py`), so a fall's size
-alone says little."""
+(`scoring.drop_test`) gives p below this: two evaluations of one checkpoint with two sampling
+seeds differ by 0.05 or more in a few domains even at 8 samples a task
+(`bench/eval_noise.py`), so a fall's size alone says little."""
 # `--suite rm`: rm-synthetic, rewarded by a reward model trained first (on the tiny policy:
 # a few minutes here), with the evaluator's gold guard. Its sign test needs more than the
 # forgetting guard's 4 tasks of 2 samples: it can say p < 0.05 only once 5 tasks fell, and
@@ -257,13 +268,24 @@ def start_model(spec: str) -> Path:
                     "or wide; `reinforge model import FILE.gguf --out DIR` makes a folder")
 
 
+def sft_name(prefix: str, domains: list[str], sft_steps: int, heldout: Any = None) -> str:
+    """The cached warm start's folder: the base, the domains (a digest of a long list), the
+    held-out tasks it left out (a digest: a warm start that saw tasks a run holds out is not
+    that run's) and the steps."""
+    joined = "-".join(domains)
+    if len(joined) > 80:  # a hundred domains do not fit a file name
+        joined = f"{len(domains)}domains-" + hashlib.sha1(joined.encode()).hexdigest()[:10]
+    held = "" if heldout is None else \
+        "-held" + hashlib.sha1(msgspec.json.encode(heldout)).hexdigest()[:6]
+    return f"{prefix}-{joined}{held}-{sft_steps}"
+
+
 def ensure_models(home: Path, domains: list[str], sft_steps: int,
                   policy: str = "tiny", model: Path | None = None,
                   heldout: Any = None) -> tuple[Path, Path]:
     """The base policy (`model`, or the tiny policy of this size) and its SFT warm start on
-    `domains`' reference answers (cached by name: the base, the domains, or a digest of a
-    long list of them, and the steps). No SFT when `sft_steps` is 0: the start is the base.
-    `heldout` (a `HeldOutConfig`): the run's held-out tasks, which SFT leaves out."""
+    `domains`' reference answers (cached by `sft_name`). No SFT when `sft_steps` is 0: the
+    start is the base. `heldout` (a `HeldOutConfig`): the run's held-out tasks, which SFT leaves out."""
     from reinforge.cli import UserError
     from reinforge.rl.sft import SFTConfig, run_sft
 
@@ -277,10 +299,7 @@ def ensure_models(home: Path, domains: list[str], sft_steps: int,
     if sft_steps == 0:
         say(f"no SFT warm start: the run starts from {base}")
         return base, base
-    joined = "-".join(domains)
-    if len(joined) > 80:  # a hundred domains do not fit a file name
-        joined = f"{len(domains)}domains-" + hashlib.sha1(joined.encode()).hexdigest()[:10]
-    sft = home / "models" / f"{prefix}-{joined}-{sft_steps}"
+    sft = home / "models" / sft_name(prefix, domains, sft_steps, heldout)
     say("SFT warm start (cached after the first time)")
     longer = {"max_len": TOOL_SFT_MAX_LEN} if with_tools(domains) else {}
     # A pretrained model is nudged toward the answer format, not taught from scratch.
@@ -313,24 +332,49 @@ def eval_sizes(args: argparse.Namespace, domains: list[str]) -> tuple[int, int, 
     return per_tier, k, samples
 
 
+def guard_tasks_per_tier(reward_model: str = "") -> int:
+    """Held-out tasks a tier the run's guard scores, after those the demo reports."""
+    return RM_GUARD_TASKS if reward_model else GUARD_TASKS_PER_TIER
+
+
 def evaluate(model: Path, domains: list[str], k: int, tasks_per_tier: int,
              tiers: list[int] | None = None, *, samples: int = 0, answer_prior: bool = True,
-             reward_model: str = "") -> dict[str, Any]:
+             reward_model: str = "", held_per_tier: int = 0, skip: int = 0,
+             seed: int = 0, cache: Path | None = None) -> dict[str, Any]:
     """pass@1 and pass@k on the held-out sets, every tier of each domain (the curriculum
     may train any of them) or `tiers`, `samples` a task (0: k), each task's pass@1 kept for
     the paired comparison; the constant answer's scores too, unless `answer_prior` is off
-    (they do not depend on the policy: the evaluation before training has them)."""
-    out = reinforge("eval", "--model", str(model), "--domains", ",".join(domains),
-                    "--k", str(k), "--samples", str(samples or k),
-                    "--tasks-per-tier", str(tasks_per_tier),
-                    *(("--tiers", ",".join(map(str, tiers))) if tiers else ()),
-                    *(() if answer_prior else ("--no-answer-prior",)),
-                    *(("--reward-model", reward_model) if reward_model else ()),
-                    "--max-new-tokens", str(max_new_tokens(domains)), "--json", capture=True,
-                    timeout_s=1800)
+    (they do not depend on the policy: the evaluation before training has them). The run
+    holds out `held_per_tier` tasks a tier (0: `tasks_per_tier`); this scores
+    `tasks_per_tier` of them after the first `skip`. Evaluations with one sampling `seed`
+    meet the same random numbers: the demo's before and after share seed 0.
+
+    `cache`: a folder for this evaluation's result, kept for the next call with the same
+    arguments (the model a cached warm start, which does not change: the same tasks and seed
+    give it the same samples)."""
+    argv = ["--domains", ",".join(domains), "--k", str(k), "--samples", str(samples or k),
+            "--tasks-per-tier", str(held_per_tier or tasks_per_tier),
+            "--score-per-tier", str(tasks_per_tier), "--skip-per-tier", str(skip),
+            "--sampling-seed", str(seed),
+            *(("--tiers", ",".join(map(str, tiers))) if tiers else ()),
+            *(() if answer_prior else ("--no-answer-prior",)),
+            *(("--reward-model", reward_model) if reward_model else ()),
+            "--max-new-tokens", str(max_new_tokens(domains)), "--json"]
+    kept = cache / (hashlib.sha1(json.dumps(argv).encode()).hexdigest()[:16] + ".json") \
+        if cache else None
+    if kept is not None and kept.is_file():
+        say(f"(kept from an earlier run: {kept})")
+        return json.loads(kept.read_text())
+    out = reinforge("eval", "--model", str(model), *argv, capture=True, timeout_s=1800)
     if out.returncode != 0:
         raise RuntimeError(f"reinforge eval failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if kept is not None:
+        from reinforge.core.atomic import write_json_atomic
+
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(kept, result)
+    return result
 
 
 def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
@@ -345,11 +389,11 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
 
     `[run]` holds what the actors share. The scheduler never trains on the first
     `heldout_per_tier` held-out tasks of each tier (the demo's before/after evaluation uses
-    exactly those). `guard` (domain -> minimum pass@1) adds the evaluator: every
-    `args.guard_every` versions it scores the policy on the first GUARD_TASKS_PER_TIER of
-    those held-out tasks and rolls back a version that falls below its floor, or (with
-    `start_scores`, the `reinforge eval --json` of the start) whose fall from the start the
-    test on the counts finds at p < drop_alpha.
+    exactly those). `guard` (domain -> minimum pass@1) adds the evaluator, and holds out
+    `guard_tasks_per_tier` more a tier for it: every `args.guard_every` versions it scores
+    the policy on those and rolls back a version that falls below its floor, or (with
+    `start_scores`, the `reinforge eval --json` of the start on them) whose fall from the
+    start the test on the counts finds at p < drop_alpha.
     `start_pass_rates` (domain -> the starting policy's pass@1 on tiers 0, 1, ...) starts
     each domain's curriculum at the easiest tier it has not solved yet. `reward_model` scores
     rm-synthetic, in the verifier and in the evaluator, whose gold guard then watches it on
@@ -368,8 +412,10 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
     # family overlap in most 13-grams, so only near-identical prompts count as contamination.
     suite_overlap = f", contamination_min_overlap = {SUITE_CONTAMINATION_OVERLAP}" \
         if guard_rotation else ""
+    suite_floor = f", advantage_scale_floor = {SUITE_ADVANTAGE_SCALE_FLOOR}" \
+        if guard_rotation else ""
     rm = f", reward_model = {json.dumps(reward_model)}" if reward_model else ""
-    guard_tasks = RM_GUARD_TASKS if reward_model else GUARD_TASKS_PER_TIER
+    guard_tasks = guard_tasks_per_tier(reward_model)
     guard_extra = (f", samples = {RM_GUARD_SAMPLES}" if reward_model else "") + (
         f", samples = {SUITE_GUARD_SAMPLES}, drop_alpha = {SUITE_GUARD_DROP_ALPHA}"
         if guard_rotation else "") + (
@@ -377,14 +423,15 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
     evaluator = "" if guard is None else f"""
 [[actors]]
 spec = "reinforge.actors.evaluator:Evaluator"
-config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], k = 2{guard_extra}, every_versions = {args.guard_every}, score_per_tier = {guard_tasks}, thresholds = {{ {", ".join(f"{json.dumps(d)} = {v:.4f}" for d, v in guard.items())} }}, max_new_tokens = {new_tokens}, concurrency = 2, sandbox_pool_size = 1, domains_per_version = {guard_rotation}{suite_overlap}{rm} }}
+config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], k = 2{guard_extra}, every_versions = {args.guard_every}, score_per_tier = {guard_tasks}, skip_per_tier = {heldout_per_tier}, thresholds = {{ {", ".join(f"{json.dumps(d)} = {v:.4f}" for d, v in guard.items())} }}, max_new_tokens = {new_tokens}, concurrency = 2, sandbox_pool_size = 1, domains_per_version = {guard_rotation}{suite_overlap}{rm} }}
 """
     lora = (f", lora = {{ r = {args.lora_rank}, alpha = {2.0 * args.lora_rank} }}"
             if args.lora_rank else "")
     starts = (", start_pass_rates = { " + ", ".join(
         f"{json.dumps(d)} = {json.dumps([round(r, 4) for r in rates])}"
         for d, rates in start_pass_rates.items()) + " }") if start_pass_rates else ""
-    held = f"tasks_per_tier = {heldout_per_tier}" + (
+    held_out = heldout_per_tier + (guard_tasks if guard is not None else 0)
+    held = f"tasks_per_tier = {held_out}" + (
         f", tiers = {json.dumps(heldout_tiers)}" if heldout_tiers else "")
     return f"""# Written by `reinforge demo`; `reinforge up {run_dir / 'demo.toml'}` runs it again.
 [run]
@@ -412,7 +459,7 @@ config = {{ domains = [{dlist}], sandbox_pool_size = {SANDBOX_POOL_SIZE}{rm} }}
 
 [[actors]]
 spec = "reinforge.actors.learner:Learner"
-config = {{ model = {json.dumps(str(sft))}, checkpoint_dir = {json.dumps(str(ckpt))}, learning_rate = {args.learning_rate}, tis_cap = {args.tis_cap}, kl_coef = {args.kl_coef}, torch_threads = 1, keep_last = 2, keep_every = {args.guard_every if guard is not None else 0}{lora} }}
+config = {{ model = {json.dumps(str(sft))}, checkpoint_dir = {json.dumps(str(ckpt))}, learning_rate = {args.learning_rate}, tis_cap = {args.tis_cap}, kl_coef = {args.kl_coef}, torch_threads = 1, keep_last = 2, keep_every = {args.guard_every if guard is not None else 0}{suite_floor}{lora} }}
 
 [[actors]]
 spec = "reinforge.actors.monitor:Monitor"
@@ -502,28 +549,37 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from reinforge.rl.evalsets import HeldOutConfig
 
-    heldout = HeldOutConfig(tasks_per_tier=per_tier, tiers=tiers or [])
+    guard_tasks = guard_tasks_per_tier(rm_dir)
+    held = per_tier + guard_tasks  # what the demo reports, then what its guard scores
+    heldout = HeldOutConfig(tasks_per_tier=held, tiers=tiers or [])
     _, sft = ensure_models(home, sft_domains, args.sft_steps,
                            policy=args.model if made_here(args.model) else "tiny", model=model,
                            heldout=heldout)
+    # The start's evaluations are kept with a warm start made here, which never changes.
+    kept = sft / "evaluations" if sft.is_relative_to(home / "models") else None
     say(f"evaluating the starting checkpoint ({sft.name}) on the held-out sets")
     before = evaluate(sft, domains, eval_k, per_tier, tiers, samples=eval_samples,
-                      reward_model=rm_dir)
-    before_path = run_dir / "eval_before.json"  # the evaluator's baselines at the start
-    before_path.write_text(json.dumps(before))
+                      reward_model=rm_dir, held_per_tier=held, cache=kept)
+    say("evaluating it on the guard's held-out tasks: the guard's baselines")
+    guard_start = evaluate(sft, domains, eval_k, guard_tasks, tiers, samples=eval_samples,
+                           answer_prior=False, reward_model=rm_dir, held_per_tier=held,
+                           skip=per_tier, cache=kept)
+    start_path = run_dir / "eval_guard_start.json"  # the evaluator's baselines at the start
+    start_path.write_text(json.dumps(guard_start))
     eval_s = before.get("eval_s", 60.0) + 30.0
     trained_from = time.time()  # the cluster's start counts in the window
     train_s = say_training_window(trained_from - t0, budget_s, eval_s)
     config_path = run_dir / "demo.toml"
-    floors = {d: max(0.0, sc["pass_at_1"] - GUARD_MARGIN) for d, sc in before["domains"].items()}
-    tier_of = heldout_tiers(domains, per_tier, tiers)
+    floors = {d: max(0.0, sc["pass_at_1"] - GUARD_MARGIN)
+              for d, sc in guard_start["domains"].items()}
+    tier_of = heldout_tiers(domains, held, tiers)
     config_path.write_text(cluster_config(
         run, run_dir, sft, domains, args, heldout_per_tier=per_tier, guard=floors,
         heldout_tiers=tiers,
         guard_rotation=SUITE_GUARD_DOMAINS_PER_VERSION if args.suite == "gym" else 0,
         start_pass_rates={d: tier_pass_rates(sc["task_pass_at_1"], tier_of[d])
                           for d, sc in before["domains"].items()},
-        start_scores=before_path, reward_model=rm_dir))
+        start_scores=start_path, reward_model=rm_dir))
 
     say(f"starting the cluster: reinforge up {config_path} --detach")
     try:  # from here on, however the demo ends (SIGTERM too), the cluster is taken down
@@ -541,7 +597,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     after_model = final or sft
     say(f"evaluating the final checkpoint (version {version}) on the held-out sets")
     after = evaluate(after_model, domains, eval_k, per_tier, tiers, samples=eval_samples,
-                     answer_prior=False, reward_model=rm_dir)
+                     answer_prior=False, reward_model=rm_dir, held_per_tier=held)
 
     from reinforge.metrics.report import build_report
     from reinforge.rl.scoring import mean_change

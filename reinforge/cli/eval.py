@@ -9,7 +9,9 @@ with the domains, and prints one line per domain; with `--json` the table goes t
 and stdout is one JSON object (the last line). The held-out sets are the evaluator actor's
 (`--seed`, `--tasks-per-tier`, `--heldout-file`, `--review-set`), and `--train-file` runs the
 same contamination check first (exit 2 when it finds overlap). Code and terminal domains run
-their checks in the Podman sandbox pool.
+their checks in the Podman sandbox pool. Each task's samples are drawn with a seed made from
+`--sampling-seed` and the task: two checkpoints evaluated with one seed are compared on the
+same random numbers, so a before/after difference is the policy's, not the sampling's.
 
 Two figures tell a skill from the answer prior: `answer_mode_share`, how often the policy's
 most common final answer was given (near 1.0: one answer whatever the task), and, for the
@@ -43,6 +45,13 @@ def register(subparsers: Any) -> None:
                         "depend on the model, and cost a task draw and a check per task")
     p.add_argument("--samples", type=int, default=0, help="completions per task (default: k)")
     p.add_argument("--tasks-per-tier", type=int, default=4, help="held-out tasks per tier")
+    p.add_argument("--skip-per-tier", type=int, default=0, metavar="N",
+                   help="leave each tier's first N held-out tasks unscored (the held-out set "
+                        "is still the run's --tasks-per-tier): a run's guard scores tasks "
+                        "apart from those its final evaluation reports")
+    p.add_argument("--score-per-tier", type=int, default=0, metavar="N",
+                   help="score at most N held-out tasks a tier, after the skipped ones "
+                        "(default 0: all of them)")
     p.add_argument("--tiers", default="", help="comma-separated tiers (default: all)")
     p.add_argument("--seed", type=int, default=None, help="held-out seed (default: the run's)")
     p.add_argument("--heldout-file", action="append", default=[], metavar="DOMAIN=JSONL",
@@ -58,6 +67,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--sampling-seed", type=seed_arg, default=0, metavar="N|none",
+                   help="draw each task's samples with a seed of its own made from N and the "
+                        "task, so two checkpoints evaluated with one N meet the same random "
+                        "numbers and their difference is the policy's (default 0; 'none': "
+                        "fresh draws)")
     p.add_argument("--no-chat-template", action="store_true",
                    help="send the bare prompt (default: the tokenizer's chat template)")
     p.add_argument("--concurrency", type=int, default=4, help="tasks in flight at once")
@@ -67,6 +81,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--timeout-s", type=float, default=300.0, help="server start-up limit")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.set_defaults(func=cmd_eval)
+
+
+def seed_arg(text: str) -> int | None:
+    return None if text.lower() == "none" else int(text)
 
 
 def _pairs(items: list[str], flag: str) -> dict[str, str]:
@@ -93,6 +111,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     samples = args.samples or args.k
     if not domains:
         raise UserError("--domains: give at least one domain")
+    if args.skip_per_tier < 0 or args.score_per_tier < 0:
+        raise UserError("--skip-per-tier and --score-per-tier must be >= 0")
     if args.k < 1 or samples < args.k:
         raise UserError(f"--k {args.k} needs --samples >= k (got {samples})")
     if not args.model and not args.url:
@@ -114,7 +134,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 async def _eval(args: argparse.Namespace, domains: list[str], samples: int, heldout: Any) -> int:
     import trio
     from reinforge.rl.evalsets import build_heldout, check_contamination, exact_only_ids
-    from reinforge.actors.evaluator import ServerSource, answer_prior, evaluate_sets
+    from reinforge.actors.evaluator import (
+        ServerSource,
+        answer_prior,
+        evaluate_sets,
+        first_per_tier,
+    )
     from reinforge.engine.tokenizer import load_tokenizer
     from reinforge.rollout.client import RolloutClient, RolloutServerUnavailable
     from reinforge.envs.domain import DomainRegistry
@@ -131,7 +156,8 @@ async def _eval(args: argparse.Namespace, domains: list[str], samples: int, held
     try:
         domains = registry.resolve(domains, where="--domains")
         doms = {d: registry.get(d) for d in domains}
-        sets = build_heldout(registry, domains, heldout)
+        sets = first_per_tier(build_heldout(registry, domains, heldout), args.score_per_tier,
+                              args.skip_per_tier)
     except (KeyError, ValueError) as exc:
         raise UserError(str(exc).strip("'\"")) from None
     train = _pairs(args.train_file, "--train-file")
@@ -157,7 +183,8 @@ async def _eval(args: argparse.Namespace, domains: list[str], samples: int, held
             tokenizer = await trio.to_thread.run_sync(load_tokenizer, tok_path)
             source = ServerSource(client, tokenizer, max_new_tokens=args.max_new_tokens,
                                   temperature=args.temperature, top_p=args.top_p,
-                                  chat_template=not args.no_chat_template)
+                                  chat_template=not args.no_chat_template,
+                                  seed=args.sampling_seed)
             t0 = time.monotonic()
             scores = await _with_sandbox(args, doms, lambda ds: evaluate_sets(
                 sets, ds, source, samples=samples, k=args.k, concurrency=args.concurrency))
@@ -186,6 +213,7 @@ async def _eval(args: argparse.Namespace, domains: list[str], samples: int, held
               file=out)
     result = {
         "model": args.model or url, "k": args.k, "samples": samples, "eval_s": round(took_s, 3),
+        "sampling_seed": args.sampling_seed,
         "domains": {d: {"pass_at_1": s.pass_at_1, "pass_at_k": s.pass_at_k, "k": s.k,
                         "n_tasks": s.n_tasks, "samples": s.samples,
                         "run_pass_rates": s.run_pass_rates, "run_std": s.run_std,

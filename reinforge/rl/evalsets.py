@@ -67,15 +67,23 @@ def fingerprint(prompt: str) -> str:
     return hashlib.sha1(" ".join(tokens(prompt)).encode()).hexdigest()[:20]
 
 
+def unseen_mass(drawn: Counter[str]) -> float:
+    """Good-Turing's estimate of the share of a generator's draws that would give a prompt
+    not yet drawn: prompts drawn once over all draws. Below 0.5, what was drawn is most of
+    what the generator gives, a small bank even when it reached the count asked."""
+    return sum(n == 1 for n in drawn.values()) / max(1, sum(drawn.values()))
+
+
 def build_heldout(
     registry: Any, domains: Iterable[str], config: HeldOutConfig
 ) -> dict[str, list[TaskSpec]]:
     """The held-out tasks of each domain: from its file, else generated with the held-out seed.
 
-    A generated tier whose draws (20 per wanted task) gave fewer distinct prompts than wanted
-    has a small bank, such as a procedural family's easiest level: half of what they found is
-    held out, the rest left to training, which could otherwise never reach the tier. (No
-    extra draws to size a bank: some generators take minutes on a rare item.)"""
+    A generated tier whose draws (20 per wanted task) gave fewer distinct prompts than wanted,
+    or repeated so often that most of its bank was drawn (`unseen_mass`), has a small bank,
+    such as a procedural family's easiest level: half of what they found is held out, the
+    rest left to training, which could otherwise never reach the tier. (No extra draws to
+    size a bank: some generators take minutes on a rare item.)"""
     out: dict[str, list[TaskSpec]] = {}
     for name in domains:
         domain = registry.get(name)
@@ -97,16 +105,19 @@ def build_heldout(
             cap = domain.tiers[tier].max_heldout
             want = min(config.tasks_per_tier, cap) if cap else config.tasks_per_tier
             held: list[TaskSpec] = []
+            drawn: Counter[str] = Counter()
             for _ in range(want * 20):
                 if len(held) >= want:
                     break
                 task = domain.sample_task(rng, tier)
                 fp = fingerprint(task.prompt)
+                drawn[fp] += 1
                 if fp in seen:
                     continue
                 seen.add(fp)
                 held.append(msgspec.structs.replace(task, task_id=f"heldout-{task.task_id}"))
-            if len(held) < want:  # the draws found the whole bank, or nearly
+            # the whole bank, or most of it (a tier's own cap is its author's sizing)
+            if len(held) < want or (not cap and unseen_mass(drawn) < 0.5):
                 del held[len(held) // 2 :]
             tasks += held
         out[name] = tasks

@@ -15,6 +15,10 @@ arXiv 2503.20783; DAPO, arXiv 2503.14476):
   by the std of that *domain's* rewards over the whole batch, so that a domain with a small
   reward spread (F1 scores) and one with 0/1 rewards weigh alike without Dr. GRPO's
   objection to per-group std (questions that are nearly all-pass or all-fail get boosted).
+  `scale_floor` keeps either scale from going below a floor: partial credit's crumbs (a
+  wrong answer scored 0.06 against three scored 0) have a tiny std, and dividing by it
+  would push toward that wrong answer as hard as a pass against a fail. A floor of 0.25
+  leaves 0/1 groups of up to 16 samples as they were (one pass in 16: std 0.24).
 * Samples whose outcome is `infra_error` are masked: they neither enter the group's mean or
   std nor receive an advantage (0) nor contribute tokens to the loss.
 * Loss aggregation is token-level: the sum of per-token losses over every valid token of
@@ -90,21 +94,25 @@ def group_advantages(
     norm: AdvantageNorm = AdvantageNorm.GROUP_STD,
     scale: torch.Tensor | float | None = None,
     eps: float = 1e-6,
+    scale_floor: float = 0.0,
 ) -> torch.Tensor:
     """Advantages of ONE group of samples of the same prompt.
 
     GROUP_STD: (r - mean) / (std + eps) over the valid samples (DeepSeekMath GRPO).
     NONE: r - mean (Dr. GRPO). DOMAIN_STD: (r - mean) / (scale + eps), where `scale` is the
-    domain's reward std over the batch (see `domain_reward_scales`). Invalid samples get 0.
+    domain's reward std over the batch (see `domain_reward_scales`). Either divisor is at
+    least `scale_floor`. Invalid samples get 0.
     """
     centred = centred_rewards(rewards, valid)
     if norm is AdvantageNorm.NONE:
         return centred
     if norm is AdvantageNorm.GROUP_STD:
-        return centred / (population_std(rewards, valid) + eps)
-    if scale is None:
+        divisor = population_std(rewards, valid)
+    elif scale is None:
         raise ValueError("group_advantages: norm=domain_std needs the domain's `scale`")
-    return centred / (torch.as_tensor(scale, dtype=rewards.dtype) + eps)
+    else:
+        divisor = torch.as_tensor(scale, dtype=rewards.dtype)
+    return centred / (divisor.clamp(min=scale_floor) + eps)
 
 
 def domain_reward_scales(

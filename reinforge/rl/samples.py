@@ -91,10 +91,11 @@ class TrainSample(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def prepare_samples(
-    groups: list[list[ScoredRollout]], norm: AdvantageNorm
+    groups: list[list[ScoredRollout]], norm: AdvantageNorm, scale_floor: float = 0.0
 ) -> tuple[list[TrainSample], dict[str, float]]:
-    """Advantages for the valid samples of groups (each with signal); returns the samples to
-    train on and figures (mean reward per domain, advantage stats, masked count)."""
+    """Advantages for the valid samples of groups (each with signal), their scale at least
+    `scale_floor` (`grpo.group_advantages`); returns the samples to train on and figures
+    (mean reward per domain, advantage stats, masked count)."""
     import torch
 
     flat = [s for g in groups for s in g]
@@ -107,7 +108,8 @@ def prepare_samples(
         ok = [sample_is_valid(s) for s in group]
         rewards = torch.tensor([s.reward for s in group], dtype=torch.float64)
         adv = group_advantages(
-            rewards, torch.tensor(ok), norm=norm, scale=scales.get(group[0].rollout.domain, 0.0)
+            rewards, torch.tensor(ok), norm=norm, scale=scales.get(group[0].rollout.domain, 0.0),
+            scale_floor=scale_floor,
         )
         for s, a, good in zip(group, adv.tolist(), ok, strict=True):
             if good:

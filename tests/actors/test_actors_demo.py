@@ -362,6 +362,29 @@ def test_the_suites_guard_takes_the_suites_samples_on_a_few_domains_a_version(tm
         defaults.samples, defaults.drop_alpha, 0)
 
 
+def test_the_suites_learner_keeps_crumbs_of_credit_from_weighing_as_a_pass(tmp_path):
+    import argparse
+
+    from reinforge.actors.learner import LearnerConfig
+    from reinforge.cli import demo
+    from reinforge.core.cluster import load_cluster_config
+
+    parser = argparse.ArgumentParser(prog="reinforge")
+    demo.register(parser.add_subparsers(dest="command"))
+    config = tmp_path / "demo.toml"
+
+    def learner(rotation):
+        config.write_text(demo.cluster_config(
+            "f", tmp_path, tmp_path / "sft", ["gym-gcd"], parser.parse_args(["demo"]),
+            guard={"gym-gcd": 0.0}, guard_rotation=rotation))
+        actor, = [a for a in load_cluster_config(config).actors if a.spec.endswith(":Learner")]
+        return msgspec.convert(actor.config, LearnerConfig)
+
+    assert learner(demo.SUITE_GUARD_DOMAINS_PER_VERSION).advantage_scale_floor == \
+        demo.SUITE_ADVANTAGE_SCALE_FLOOR == 0.25
+    assert learner(0).advantage_scale_floor == LearnerConfig().advantage_scale_floor == 0.0
+
+
 def test_the_suite_evaluates_more_samples_a_task_than_pass_at_k_needs():
     import argparse
 
@@ -396,6 +419,68 @@ def test_the_demo_hands_its_evaluation_of_the_start_to_the_guard(tmp_path):
         evaluator, = [a for a in load_cluster_config(config).actors
                       if a.spec.endswith(":Evaluator")]
         assert msgspec.convert(evaluator.config, EvaluatorConfig).start_scores == expected
+
+
+def test_the_guard_chooses_its_rollbacks_on_held_out_tasks_the_demo_does_not_report(tmp_path):
+    """The run holds out the reported tasks and the guard's after them; the guard scores
+    only its own, so what it rolls back is not chosen on the figures the run is judged by."""
+    import argparse
+
+    from reinforge.actors.evaluator import EvaluatorConfig, first_per_tier
+    from reinforge.cli import demo
+    from reinforge.core.cluster import load_cluster_config
+    from reinforge.envs.domain import DomainRegistry
+    from reinforge.rl.evalsets import HeldOutConfig, build_heldout
+
+    parser = argparse.ArgumentParser(prog="reinforge")
+    demo.register(parser.add_subparsers(dest="command"))
+    config = tmp_path / "demo.toml"
+    config.write_text(demo.cluster_config(
+        "g", tmp_path, tmp_path / "sft", ["math"], parser.parse_args(["demo"]),
+        heldout_per_tier=5, guard={"math": 0.25}))
+    loaded = load_cluster_config(config)
+    evaluator, = [a for a in loaded.actors if a.spec.endswith(":Evaluator")]
+    cfg = msgspec.convert(evaluator.config, EvaluatorConfig)
+    held = build_heldout(DomainRegistry.default(), ["math"],
+                         msgspec.convert(loaded.run.heldout, HeldOutConfig))["math"]
+    reported = {t.task_id for t in first_per_tier({"math": held}, 5)["math"]}
+    guarded = {t.task_id for t in first_per_tier({"math": held}, cfg.score_per_tier,
+                                                 cfg.skip_per_tier)["math"]}
+    assert len(reported) == 5 * 5 and len(guarded) == 5 * demo.GUARD_TASKS_PER_TIER
+    assert not reported & guarded and reported | guarded == {t.task_id for t in held}
+
+
+def test_a_warm_start_cached_for_one_held_out_set_is_not_another_runs():
+    """A warm start trained while 4 tasks a tier were held out saw the tasks a run holding
+    out 8 keeps for its guard: its cache folder names the held-out set it left out."""
+    from reinforge.cli.demo import sft_name
+    from reinforge.rl.evalsets import HeldOutConfig
+
+    names = {sft_name("sft", ["math"], 150, HeldOutConfig(tasks_per_tier=n, tiers=[0]))
+             for n in (4, 8)}
+    assert len(names) == 2
+    assert sft_name("sft", ["math"], 150) == "sft-math-150"  # nothing held out: as before
+    assert sft_name("sft", ["math"], 150, HeldOutConfig(tasks_per_tier=4, tiers=[0])) == \
+        sft_name("sft", ["math"], 150, HeldOutConfig(tasks_per_tier=4, tiers=[0]))
+
+
+@pytest.mark.slow
+def test_the_starts_evaluation_is_kept_with_the_warm_start_and_not_run_again(
+        tiny_model_dir, tmp_path):
+    import shutil
+
+    from reinforge.cli import demo
+
+    model = tmp_path / "start"
+    shutil.copytree(tiny_model_dir, model)
+    kept = model / "evaluations"
+    first = demo.evaluate(model, ["math"], 1, 1, [0], samples=2, cache=kept)
+    assert len(list(kept.glob("*.json"))) == 1
+    for f in model.glob("*.safetensors"):  # a run of `reinforge eval` would now fail
+        f.unlink()
+    assert demo.evaluate(model, ["math"], 1, 1, [0], samples=2, cache=kept) == first
+    with pytest.raises(RuntimeError, match="reinforge eval failed"):  # other draws: no copy
+        demo.evaluate(model, ["math"], 1, 1, [0], samples=2, cache=kept, seed=1)
 
 
 def test_a_demo_of_tool_domains_gives_its_sampler_a_sandbox_and_turns_long_enough_for_a_call(

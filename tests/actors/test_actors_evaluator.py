@@ -7,6 +7,7 @@ import argparse
 import functools
 import json
 import random
+from collections import Counter
 
 import msgspec
 import pytest
@@ -543,6 +544,45 @@ def test_a_server_source_answers_a_multi_turn_domain_with_episode_transcripts(
         assert turns is not None and 1 <= len(turns) <= 4
 
 
+def test_one_sampling_seed_draws_the_same_samples_whichever_time_a_task_is_evaluated(
+        server_url, tiny_model_dir):
+    """Two evaluations with one seed meet the same random numbers (common random numbers):
+    on one checkpoint they are the same samples, task by task and episode by episode, while
+    other tasks, other seeds and unseeded draws differ."""
+    from transformers import AutoTokenizer
+    from reinforge.envs.domains.python_tool import PythonToolDomain
+    from reinforge.envs.sandbox.runner import UnsafeLocalRunner
+    from reinforge.envs.domains.math import MathDomain
+    from reinforge.rollout.client import RolloutClient
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    math, tool = MathDomain(), PythonToolDomain().with_runner(UnsafeLocalRunner())
+    a, b = (math.sample_task(random.Random(i), 0) for i in (0, 1))
+    episode_task = tool.sample_task(random.Random(0), 0)
+
+    async def draws(seed, task, domain, n=4):
+        async with RolloutClient(server_url) as client:
+            source = ServerSource(client, tok, max_new_tokens=12, temperature=1.0, seed=seed)
+            return await source.complete(task, n, domain)
+
+    def run(*call):
+        return trio.run(draws, *call)
+
+    first = run(7, a, math)
+    assert run(7, a, math) == first
+    assert len(set(first)) > 1  # sample j has a seed of its own, not sample 0's repeated
+    assert run(8, a, math) != first and run(None, a, math) != run(None, a, math)
+    assert run(7, b, math) != first  # each task its own seed
+    episodes = run(7, episode_task, tool, 2)
+    assert run(7, episode_task, tool, 2) == episodes != run(8, episode_task, tool, 2)
+
+
+def test_reinforge_eval_seeds_its_samples_unless_told_none():
+    assert eval_args("--model", "m").sampling_seed == 0
+    assert eval_args("--model", "m", "--sampling-seed", "3").sampling_seed == 3
+    assert eval_args("--model", "m", "--sampling-seed", "none").sampling_seed is None
+
+
 def test_reinforge_eval_skips_the_constant_answer_when_asked(tiny_model_dir, capsys):
     args = eval_args("--model", str(tiny_model_dir), "--domains", "math", "--k", "1",
                      "--tasks-per-tier", "1", "--tiers", "0", "--max-new-tokens", "4", "--json",
@@ -717,6 +757,24 @@ def test_scoring_the_first_n_per_tier_is_the_held_out_set_of_n_per_tier():
     assert {d: [t.task_id for t in ts] for d, ts in subset.items()} == {
         d: [t.task_id for t in ts] for d, ts in narrow.items()}
     assert first_per_tier(wide, 0) == {d: list(ts) for d, ts in wide.items()}
+
+
+def test_the_guard_can_score_a_slice_apart_from_the_tasks_a_final_evaluation_reports():
+    """A run holding out 8 a tier: the report scores the first 4, the guard the next 4."""
+    from reinforge.actors.evaluator import first_per_tier
+
+    held = build_heldout(DomainRegistry.default(), ["math", "code"],
+                         HeldOutConfig(tasks_per_tier=8))
+    report, guard = first_per_tier(held, 4), first_per_tier(held, 4, skip=4)
+    for d, tasks in held.items():
+        held_of = Counter(t.tier for t in tasks)  # a tier with a small bank holds fewer
+        assert Counter(t.tier for t in report[d]) == {t: min(4, n) for t, n in held_of.items()}
+        assert Counter(t.tier for t in guard[d]) == {t: n - 4 for t, n in held_of.items()
+                                                     if n > 4}
+        assert not {t.task_id for t in report[d]} & {t.task_id for t in guard[d]}
+        assert {t.task_id for t in report[d] + guard[d]} == {t.task_id for t in tasks}
+    assert set(Counter(t.tier for t in held["math"]).values()) == {8}  # both slices full
+    assert first_per_tier(held, 0, skip=8) == {d: [] for d in held}
 
 
 # ----------------------------------------------------------------------------- many domains
@@ -948,20 +1006,24 @@ def test_the_rotation_sees_every_domain_within_its_bound():
 
 
 def test_a_tier_with_a_small_bank_of_prompts_keeps_half_of_them_for_training():
-    """gym-coin_flip's easiest level has 8 distinct prompts: asking 20 held-out tasks of it
-    used to hold out all 8, and the scheduler could never train on that tier."""
+    """gym-coin_flip's easiest level has 8 distinct prompts: asking 20 held-out tasks of it,
+    or 8, used to hold out all 8, and the scheduler could never train on that tier."""
     import random
 
     from reinforge.rl.evalsets import fingerprint
 
     reg = DomainRegistry.default()
     coin = reg.get("gym-coin_flip")
-    held = build_heldout(reg, ["gym-coin_flip"], HeldOutConfig(tasks_per_tier=20, tiers=[0]))
     rng = random.Random(7)
-    bank = {fingerprint(coin.sample_task(rng, 0).prompt) for _ in range(400)}
-    held_fps = {fingerprint(t.prompt) for t in held["gym-coin_flip"]}
-    assert 0 < len(held_fps) <= len(bank) // 2
-    assert len(bank - held_fps) >= len(bank) // 2  # what the scheduler may still issue
+    draws = [fingerprint(coin.sample_task(rng, 0).prompt) for _ in range(400)]
+    bank = set(draws)
+    for asked in (20, len(bank)):  # more than the bank, and all of it (the draws reach it)
+        held = build_heldout(reg, ["gym-coin_flip"],
+                             HeldOutConfig(tasks_per_tier=asked, tiers=[0]))
+        held_fps = {fingerprint(t.prompt) for t in held["gym-coin_flip"]}
+        assert 0 < len(held_fps) <= len(bank) // 2
+        assert len(bank - held_fps) >= len(bank) // 2  # what the scheduler may still issue
+        assert sum(fp not in held_fps for fp in draws) > len(draws) / 4
 
 
 def test_a_large_tier_gets_its_full_held_out_count():

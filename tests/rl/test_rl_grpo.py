@@ -40,6 +40,21 @@ def test_domain_std_advantages_divide_by_the_domain_scale():
                               norm=AdvantageNorm.DOMAIN_STD)
 
 
+def test_a_scale_floor_keeps_crumbs_of_credit_from_weighing_as_a_pass():
+    """reasoning-gym scores some wrong answers 0.06: divided by that group's own std
+    (0.026), the wrong answer would be pushed as hard as a pass against a fail."""
+    crumbs, passed, ok = t([0, 0, 0.06, 0]), t([1, 0, 0, 0]), torch.tensor([True] * 4)
+    assert grpo.group_advantages(crumbs, ok, eps=0.0).max().item() == pytest.approx(3 ** 0.5)
+    floored = grpo.group_advantages(crumbs, ok, eps=0.0, scale_floor=0.25)
+    assert floored.tolist() == pytest.approx([-0.06, -0.06, 0.18, -0.06])
+    assert grpo.group_advantages(passed, ok, eps=0.0, scale_floor=0.25).tolist() == \
+        grpo.group_advantages(passed, ok, eps=0.0).tolist()  # one pass in 4: std 0.43
+    assert grpo.group_advantages(crumbs[:2], ok[:2], norm=AdvantageNorm.DOMAIN_STD,
+                                 scale=0.01, eps=0.0, scale_floor=0.25).tolist() == [0.0, 0.0]
+    assert grpo.group_advantages(t([1, 0]), ok[:2], norm=AdvantageNorm.DOMAIN_STD,
+                                 scale=0.1, eps=0.0, scale_floor=0.25).tolist() == [2.0, -2.0]
+
+
 def test_infra_error_samples_are_masked_out_of_mean_std_and_advantage():
     # the masked reward (99) must not move the baseline: valid rewards 1, 0 -> +1, -1
     adv = grpo.group_advantages(t([1, 99, 0]), torch.tensor([True, False, True]), eps=0.0)
