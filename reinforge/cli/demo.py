@@ -285,7 +285,8 @@ def ensure_models(home: Path, domains: list[str], sft_steps: int,
                   heldout: Any = None) -> tuple[Path, Path]:
     """The base policy (`model`, or the tiny policy of this size) and its SFT warm start on
     `domains`' reference answers (cached by `sft_name`). No SFT when `sft_steps` is 0: the
-    start is the base. `heldout` (a `HeldOutConfig`): the run's held-out tasks, which SFT leaves out."""
+    start is the base. `heldout` (a `HeldOutConfig`): the run's held-out tasks, which SFT
+    leaves out."""
     from reinforge.cli import UserError
     from reinforge.rl.sft import SFTConfig, run_sft
 
