@@ -45,9 +45,10 @@ the regression guard that rolls a bad version back.
   where a fall can happen.
 * Paired draws: every evaluation samples task t with the seed `task_seed(sampling_seed, t)`
   (the server draws sample j from its own generator, seeded that plus j, by inverse CDF), so
-  two checkpoints evaluated with one seed meet the same random numbers. Where the policy did
-  not change, their samples are the same; where it changed a little, most still are: a
-  difference between two evaluations is the policy's, not the dice's (common random numbers).
+  two checkpoints evaluated with one seed meet the same random numbers (common random
+  numbers). Where the policy did not change, their samples are the same; where it changed a
+  little, most still are. Once a sample's tokens part, the rest of it draws apart: after a
+  run's training most of the sampling noise is back (`bench/eval_noise.py --versus`).
 * Generation: the evaluator's own rollout server (`server_url`, or one it starts on the
   first version it sees), loaded with each version through /update_weights_from_disk.
 """

@@ -11,7 +11,7 @@ and stdout is one JSON object (the last line). The held-out sets are the evaluat
 same contamination check first (exit 2 when it finds overlap). Code and terminal domains run
 their checks in the Podman sandbox pool. Each task's samples are drawn with a seed made from
 `--sampling-seed` and the task: two checkpoints evaluated with one seed are compared on the
-same random numbers, so a before/after difference is the policy's, not the sampling's.
+same random numbers (a checkpoint evaluated twice reads the same; two close ones mostly do).
 
 Two figures tell a skill from the answer prior: `answer_mode_share`, how often the policy's
 most common final answer was given (near 1.0: one answer whatever the task), and, for the
@@ -70,8 +70,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--sampling-seed", type=seed_arg, default=0, metavar="N|none",
                    help="draw each task's samples with a seed of its own made from N and the "
                         "task, so two checkpoints evaluated with one N meet the same random "
-                        "numbers and their difference is the policy's (default 0; 'none': "
-                        "fresh draws)")
+                        "numbers (default 0; 'none': fresh draws)")
     p.add_argument("--no-chat-template", action="store_true",
                    help="send the bare prompt (default: the tokenizer's chat template)")
     p.add_argument("--concurrency", type=int, default=4, help="tasks in flight at once")
