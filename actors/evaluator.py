@@ -42,7 +42,8 @@ the regression guard that rolls a bad version back.
   or at the start) take most of the slots, those that passed nothing (they cannot fall) a
   `zero_share` of them. Each domain is seen within ceil(n / slots) evaluated versions of
   its group; a hundred procedural families mostly start at zero, and the guard's samples go
-  where a fall can happen.
+  where a fall can happen. A domain a rollback was for is evaluated at every version
+  after it (`watched`): what fell once can fall again before its turn comes round.
 * Paired draws: every evaluation samples task t with the seed `task_seed(sampling_seed, t)`
   (the server draws sample j from its own generator, seeded that plus j, by inverse CDF), so
   two checkpoints evaluated with one seed meet the same random numbers (common random
@@ -529,6 +530,13 @@ def guard_picks(names: Sequence[str], baselines: Mapping[str, Baseline],
             rotation(zero, positions[1], n_zero) if n_zero else [])
 
 
+def with_watched(picks: Sequence[str], watched: Sequence[str]) -> list[str]:
+    """This version's domains: the rotations' picks, then every watched domain (one a
+    rollback was for) not among them. A domain that fell once can fall again after the
+    rollback, sooner than its turn in the rotation comes round."""
+    return [*picks, *(d for d in watched if d not in picks)]
+
+
 class EvaluatorState(msgspec.Struct, kw_only=True):
     last_good: GoodVersion | None = None
     baselines: dict[str, Baseline] = {}
@@ -543,6 +551,8 @@ class EvaluatorState(msgspec.Struct, kw_only=True):
     """f"{version}:{path}" of every version scored; a Rollback forgets those past its
     to_version, whose numbers (and paths) the learner reuses for new checkpoints."""
     rolled_back: list[int] = []
+    watched: list[str] = []
+    """The domains rollbacks were for: evaluated at every version after (`with_watched`)."""
 
 
 def load_evaluator_state(path: Path) -> EvaluatorState:
@@ -786,7 +796,8 @@ class Evaluator(Actor):
         stake, zero = guard_picks(sorted(self.sets), self.state.baselines,
                                   (self.state.rotation_start, self.state.zero_rotation_start),
                                   cfg.domains_per_version, cfg.zero_share, self.start)
-        sets = {d: self.sets[d] for d in stake + zero}
+        sets = {d: self.sets[d] for d in with_watched(stake + zero, self.state.watched)
+                if d in self.sets}
         with self.ctx.waiting(f"evaluating version {msg.version}", deadline_s=cfg.ack_wait_s):
             t0 = time.monotonic()
             scores = await evaluate_sets(sets, self.domains, source,
@@ -843,6 +854,7 @@ class Evaluator(Actor):
                                        msg_id=f"rollback:{rollback.to_version}:{msg.version}"
                                               f"{epoch_tag(msg)}")
         self.state.rolled_back.append(msg.version)
+        self.state.watched = with_watched(self.state.watched, below)
 
     async def keep_rollback_targets(self, version: int) -> None:
         """Tell the learner which checkpoints a rollback may return to (KeepVersions): the

@@ -333,6 +333,17 @@ def eval_sizes(args: argparse.Namespace, domains: list[str]) -> tuple[int, int, 
     return per_tier, k, samples
 
 
+def guard_floors(suite: str, start: dict[str, Any]) -> dict[str, float]:
+    """Each domain's floor for the guard: GUARD_MARGIN below the start's pass@1 on the
+    guard's tasks. None in the gym suite, whose guard rolls back only what its test on the
+    counts finds real: on 4 tasks of 8 samples a fixed margin is noise's to cross (one run
+    rolled gym-self_reference back twice for 3 passes of 32 against a floor of 3/32,
+    written then as 0.0938)."""
+    if suite == "gym":
+        return {}
+    return {d: max(0.0, sc["pass_at_1"] - GUARD_MARGIN) for d, sc in start["domains"].items()}
+
+
 def guard_tasks_per_tier(reward_model: str = "") -> int:
     """Held-out tasks a tier the run's guard scores, after those the demo reports."""
     return RM_GUARD_TASKS if reward_model else GUARD_TASKS_PER_TIER
@@ -424,7 +435,7 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
     evaluator = "" if guard is None else f"""
 [[actors]]
 spec = "reinforge.actors.evaluator:Evaluator"
-config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], k = 2{guard_extra}, every_versions = {args.guard_every}, score_per_tier = {guard_tasks}, skip_per_tier = {heldout_per_tier}, thresholds = {{ {", ".join(f"{json.dumps(d)} = {v:.4f}" for d, v in guard.items())} }}, max_new_tokens = {new_tokens}, concurrency = 2, sandbox_pool_size = 1, domains_per_version = {guard_rotation}{suite_overlap}{rm} }}
+config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], k = 2{guard_extra}, every_versions = {args.guard_every}, score_per_tier = {guard_tasks}, skip_per_tier = {heldout_per_tier}, thresholds = {{ {", ".join(f"{json.dumps(d)} = {v!r}" for d, v in guard.items())} }}, max_new_tokens = {new_tokens}, concurrency = 2, sandbox_pool_size = 1, domains_per_version = {guard_rotation}{suite_overlap}{rm} }}
 """
     lora = (f", lora = {{ r = {args.lora_rank}, alpha = {2.0 * args.lora_rank} }}"
             if args.lora_rank else "")
@@ -571,8 +582,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     trained_from = time.time()  # the cluster's start counts in the window
     train_s = say_training_window(trained_from - t0, budget_s, eval_s)
     config_path = run_dir / "demo.toml"
-    floors = {d: max(0.0, sc["pass_at_1"] - GUARD_MARGIN)
-              for d, sc in guard_start["domains"].items()}
+    floors = guard_floors(args.suite, guard_start)
     tier_of = heldout_tiers(domains, held, tiers)
     config_path.write_text(cluster_config(
         run, run_dir, sft, domains, args, heldout_per_tier=per_tier, guard=floors,

@@ -385,6 +385,27 @@ def test_the_suites_learner_keeps_crumbs_of_credit_from_weighing_as_a_pass(tmp_p
     assert learner(0).advantage_scale_floor == LearnerConfig().advantage_scale_floor == 0.0
 
 
+def test_the_guards_floors_are_written_exactly_and_the_suite_has_none(tmp_path):
+    """A floor of 3/32 written as 0.0938 rolled back a version scoring exactly 3/32."""
+    import argparse
+
+    from reinforge.actors.evaluator import EvaluatorConfig
+    from reinforge.cli import demo
+    from reinforge.core.cluster import load_cluster_config
+
+    parser = argparse.ArgumentParser(prog="reinforge")
+    demo.register(parser.add_subparsers(dest="command"))
+    start = {"domains": {"math": {"pass_at_1": 0.34375}}}
+    floors = demo.guard_floors("", start)
+    assert floors == {"math": 0.34375 - demo.GUARD_MARGIN} and demo.guard_floors("gym", start) == {}
+    config = tmp_path / "demo.toml"
+    config.write_text(demo.cluster_config("t", tmp_path, tmp_path / "sft", ["math"],
+                                          parser.parse_args(["demo"]), guard=floors))
+    evaluator, = [a for a in load_cluster_config(config).actors
+                  if a.spec.endswith(":Evaluator")]
+    assert msgspec.convert(evaluator.config, EvaluatorConfig).thresholds == {"math": 0.09375}
+
+
 def test_the_suite_evaluates_more_samples_a_task_than_pass_at_k_needs():
     import argparse
 

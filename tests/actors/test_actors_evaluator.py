@@ -883,6 +883,23 @@ def test_the_guard_spends_its_slots_on_the_domains_that_can_fall():
         ["d00"] + names[15:], names[1:15])
 
 
+def test_a_domain_a_rollback_was_for_is_evaluated_at_every_version_after():
+    """In one suite run gym-syllogism fell 0.625 -> 0.22, was rolled back, then fell to 0
+    before the rotation came back to it: it is watched from its rollback on."""
+    from reinforge.actors.evaluator import with_watched
+
+    names = [f"d{i:02d}" for i in range(12)]
+    some = {d: Baseline.of(0, _scored([0.0] * 3 + [0.5])) for d in names}
+    watched = with_watched([], ["d07"])
+    assert with_watched(watched, ["d07", "d02"]) == ["d07", "d02"]  # each domain once
+    positions = (0, 0)
+    for _ in range(6):
+        stake, zero = guard_picks(names, some, positions, 3, 0.2)
+        picks = with_watched(stake + zero, watched)
+        assert "d07" in picks and len(picks) == 3 + ("d07" not in stake)
+        positions = (positions[0] + len(stake), positions[1] + len(zero))
+
+
 def test_the_test_on_counts_is_the_exact_law_of_passes_shuffled_within_each_task():
     """Brute force: with no change, a task's passes fall on any of its samples alike, so the
     p-value is the share of those placements with as few passes after as seen."""
