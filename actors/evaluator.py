@@ -386,6 +386,7 @@ def regression_rollback(
     drop_margin: float = 0.0,
     gold_peaks: Mapping[str, Baseline] | None = None,
     gold_alpha: float = 0.0,
+    epoch: int = 0,
 ) -> tuple[list[str], Rollback | None]:
     """(domains that regressed, the Rollback to publish or None). A domain regresses when
     it is below its threshold, or (with `drop_alpha` > 0) its pass@1 fell against its
@@ -430,6 +431,7 @@ def regression_rollback(
     return flagged, Rollback(
         to_version=last_good.version, path=last_good.path,
         reason=f"version {version} regressed: {', '.join(why[d] for d in flagged)}",
+        from_epoch=epoch,
     )
 
 
@@ -836,7 +838,7 @@ class Evaluator(Actor):
             msg.version, scores, cfg.thresholds, self.state.last_good,
             baselines=self.state.baselines, starts=self.start, drop_alpha=cfg.drop_alpha,
             drop_margin=cfg.drop_margin, gold_peaks=self.state.gold_peaks,
-            gold_alpha=cfg.gold_alpha)
+            gold_alpha=cfg.gold_alpha, epoch=msg.epoch)
         if not below:
             self.state.last_good = GoodVersion(version=msg.version, path=msg.path)
             for d, s in scores.items():

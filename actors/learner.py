@@ -429,7 +429,10 @@ class DecisionJournal:
 
 
 def rollback_key(msg: Rollback) -> str:
-    return f"{msg.to_version}:{msg.path}:{msg.reason}"
+    """What tells a redelivered Rollback from a new one (the epoch of the bad version: two
+    falls of one version number in two epochs can read word for word alike)."""
+    key = f"{msg.to_version}:{msg.path}:{msg.reason}"
+    return f"{key}:e{msg.from_epoch}" if msg.from_epoch else key
 
 
 def rollback_source(root: Path, msg: Rollback) -> Path | None:

@@ -210,6 +210,10 @@ class Rollback(_Msg, frozen=True, tag="rollback/1"):
     reason: str
     store: str = ""
     """As WeightsPublished.store."""
+    from_epoch: int = 0
+    """The epoch (WeightsPublished.epoch) of the version judged bad: past a rollback the
+    learner reuses version numbers, and a second fall of "version 50", found the same way
+    (seeded evaluations read alike), is a second rollback, not a redelivery of the first."""
 
 
 class RunSettingsPublished(_Msg, frozen=True, tag="run-settings/1"):

@@ -883,6 +883,24 @@ def test_the_guard_spends_its_slots_on_the_domains_that_can_fall():
         ["d00"] + names[15:], names[1:15])
 
 
+def test_a_second_fall_of_one_version_number_is_a_second_rollback_not_a_redelivery():
+    """In suite s23i version 50 fell, was rolled back to 25, and the new version 50 fell the
+    same way: the two Rollbacks read word for word alike, the learner took the second for
+    a redelivery and kept its v56 while the samplers went back to v25, and every group
+    after was stale. The bad version's epoch tells them apart."""
+    from reinforge.actors.learner import rollback_key
+
+    start = {"gym-a": Baseline.of(0, _scored([1.0] * 4))}
+    fell = {"gym-a": _scored([0.0] * 4)}
+    good = GoodVersion(version=25, path="/v25")
+    (_, first), (_, second) = (regression_rollback(
+        50, fell, {}, good, starts=start, drop_alpha=0.05, drop_margin=0.05, epoch=e)
+        for e in (0, 1))
+    assert first.reason == second.reason and (first.from_epoch, second.from_epoch) == (0, 1)
+    assert rollback_key(first) != rollback_key(second)
+    assert rollback_key(first) == f"25:/v25:{first.reason}"  # as checkpoints recorded it
+
+
 def test_a_domain_a_rollback_was_for_is_evaluated_at_every_version_after():
     """In one suite run gym-syllogism fell 0.625 -> 0.22, was rolled back, then fell to 0
     before the rotation came back to it: it is watched from its rollback on."""
