@@ -349,6 +349,11 @@ def guard_tasks_per_tier(reward_model: str = "") -> int:
     return RM_GUARD_TASKS if reward_model else GUARD_TASKS_PER_TIER
 
 
+def guarded_heldout(reported: int, reward_model: str = "") -> int:
+    """Held-out tasks a tier of a guarded run: the `reported` ones, then the guard's."""
+    return reported + guard_tasks_per_tier(reward_model)
+
+
 def evaluate(model: Path, domains: list[str], k: int, tasks_per_tier: int,
              tiers: list[int] | None = None, *, samples: int = 0, answer_prior: bool = True,
              reward_model: str = "", held_per_tier: int = 0, skip: int = 0,
@@ -442,7 +447,8 @@ config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], k = 2{guar
     starts = (", start_pass_rates = { " + ", ".join(
         f"{json.dumps(d)} = {json.dumps([round(r, 4) for r in rates])}"
         for d, rates in start_pass_rates.items()) + " }") if start_pass_rates else ""
-    held_out = heldout_per_tier + (guard_tasks if guard is not None else 0)
+    held_out = heldout_per_tier if guard is None else \
+        guarded_heldout(heldout_per_tier, reward_model)
     held = f"tasks_per_tier = {held_out}" + (
         f", tiers = {json.dumps(heldout_tiers)}" if heldout_tiers else "")
     return f"""# Written by `reinforge demo`; `reinforge up {run_dir / 'demo.toml'}` runs it again.
@@ -562,7 +568,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from reinforge.rl.evalsets import HeldOutConfig
 
     guard_tasks = guard_tasks_per_tier(rm_dir)
-    held = per_tier + guard_tasks  # what the demo reports, then what its guard scores
+    held = guarded_heldout(per_tier, rm_dir)
     heldout = HeldOutConfig(tasks_per_tier=held, tiers=tiers or [])
     _, sft = ensure_models(home, sft_domains, args.sft_steps,
                            policy=args.model if made_here(args.model) else "tiny", model=model,
