@@ -19,9 +19,11 @@ by its domain's recent rate of groups with signal) and per-domain quotas.
 One owner for a group's fate: the learner. A group the scheduler saw complete waits for the
 learner's `GroupDecision`: until then it counts by its domain's signal rate, once ACCEPTED
 as one group, and a final decision (trained, or dropped with its reason) takes it out of the
-count and closes its lease. The signal rate itself is the learner's verdicts' moving
-average. The scheduler never judges signal or staleness, so the two cannot disagree; a
-decision is acked only once the state that holds it is saved.
+count and closes its lease. The signal rate itself is the learner's verdicts' average,
+from a prior set by the start's measured pass rate (a domain the start never passes is
+probed at the floor from its first task, not after 30 hopeless groups). The scheduler never
+judges signal or staleness, so the two cannot disagree; a decision is acked only once the
+state that holds it is saved.
 
 Leases: a task whose group is not complete within `lease_s` is reissued with attempt+1
 (priority over new tasks), up to `max_attempts`; JetStream already redelivers a task whose
@@ -75,6 +77,7 @@ from reinforge.rl.curriculum import (
     mix_probabilities,
     new_task_signal_rate,
     pick_recurring_task,
+    prior_signal_rate,
     updated_signal_rate,
 )
 from reinforge.rl.evalsets import HeldOutConfig, build_heldout, fingerprint
@@ -230,8 +233,11 @@ class DomainCounters(msgspec.Struct, kw_only=True):
     groups: int = 0
     informative_groups: int = 0
     signal_rate: float = 0.5
-    """Moving average of the learner's "this group carries signal" (stale ones included:
-    staleness is the budget's doing, not the domain's); 0.5 until decisions come back."""
+    """The learner's verdicts "this group carries signal" (stale ones included: staleness
+    is the budget's doing, not the domain's), averaged from a prior (`updated_signal_rate`):
+    the start's pass rate's where the config measured one, else 0.5."""
+    signal_judged: int = 0
+    """Verdicts in `signal_rate`: the prior weighs less as they come."""
     late_groups: int = 0
     stale_groups: int = 0
     """Groups the learner dropped as too stale."""
@@ -399,7 +405,10 @@ class Scheduler(Actor):
                                       cfg.start_pass_rates.get(name, ())[:len(domain.tiers)])
         )
         self.state.curricula[name] = self.curricula[name].state
-        self.state.counters.setdefault(name, DomainCounters())
+        if name not in self.state.counters:
+            self.state.counters[name] = DomainCounters(signal_rate=prior_signal_rate(
+                cfg.start_pass_rates.get(name, ()), self.curricula[name].level,
+                cfg.group_size))
         held = build_heldout(self.registry, [name], cfg.heldout)[name]
         self.heldout[name] = {fingerprint(t.prompt) for t in held}
         if name in cfg.task_files:
@@ -501,7 +510,9 @@ class Scheduler(Actor):
         waiting = st.awaiting.get(msg.task_id)
         judged_before = waiting is not None and waiting.accepted
         if msg.signal is not None and not judged_before and msg.fate != Fate.INCOMPLETE:
-            c.signal_rate = updated_signal_rate(c.signal_rate, msg.signal)
+            c.signal_rate = updated_signal_rate(c.signal_rate, msg.signal,
+                                                judged=c.signal_judged)
+            c.signal_judged += 1
             if msg.signal:
                 c.informative_groups += 1
             else:

@@ -11,13 +11,21 @@ the start on one seed: 1 with 1, 2 with 2, as the demo compares) and two unpaire
 with 2, 2 with 1) read the same change; how far the two readings of each kind disagree
 is the noise each kind of comparison carries, the baseline being the unpaired one.
 
+With `--versus B --task-sets`, the other half of the noise: which tasks are held out. The
+change is read on two disjoint sets of the run's held-out tasks (the first N a tier and the
+next N, seed 0), at two shapes of evaluation with the same number of samples a domain:
+4 tasks of 8 samples (the baseline, the suite's before) and the suite's 16 tasks of 2. A
+policy that gives one answer whatever the task scores what its tasks happen to be, which
+more samples of the same tasks do not average out. The run must have held out 32 tasks a
+tier (the suite demo's 16 reported and 16 for its guard).
+
 Every evaluation goes through `reinforge eval` (the embedded rollout server, the demo's
 sizes: tier 0, `--tasks-per-tier` tasks of `--samples` samples each) and is summarised as
 the suite demo summarises its before/after (`reinforge.cli.demo`): domains that moved,
 improved by 0.10 or more, worse by 0.05 or more, the worst drop, and the falls the test on
 the counts finds at p < 0.05.
 
-    python bench/eval_noise.py --model DIR [--versus DIR] --json   # last line: one JSON
+    python bench/eval_noise.py --model DIR [--versus DIR [--task-sets]] --json
 
 `--domains` defaults to the suite's (`reinforge demo --suite gym`); the suite's warm start,
 once a suite demo has made it, is `.reinforge/models/sft-<n>domains-<hash>-150`, and its
@@ -37,34 +45,45 @@ SEEDS = (1, 2)
 
 
 def main() -> int:
+    from reinforge.cli import demo
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="a checkpoint (Hugging Face format)")
     ap.add_argument("--versus", default="", help="a trained checkpoint to compare it with")
     ap.add_argument("--domains", default="", help="comma-separated (default: the suite's)")
-    ap.add_argument("--samples", type=int, default=8,
-                    help="samples a task (default 8, the suite demo's)")
-    ap.add_argument("--tasks-per-tier", type=int, default=4, help="(the suite's: 4)")
-    ap.add_argument("--held-per-tier", type=int, default=8,
-                    help="held-out tasks a tier in the run (the suite's: 4 reported + 4 for "
-                         "its guard)")
+    reported = demo.SUITE_EVAL_TASKS_PER_TIER
+    ap.add_argument("--samples", type=int, default=demo.SUITE_EVAL_SAMPLES,
+                    help=f"samples a task (default {demo.SUITE_EVAL_SAMPLES}, the suite demo's)")
+    ap.add_argument("--tasks-per-tier", type=int, default=reported,
+                    help=f"(the suite's: {reported})")
+    ap.add_argument("--held-per-tier", type=int, default=demo.guarded_heldout(reported,
+                                                                               suite="gym"),
+                    help=f"held-out tasks a tier in the run (the suite's: {reported} reported "
+                         f"+ {demo.SUITE_GUARD_TASKS_PER_TIER} for its guard)")
+    ap.add_argument("--task-sets", action="store_true",
+                    help="with --versus: read the change on two disjoint held-out task sets, "
+                         "4 tasks of 8 samples against 16 of 2")
     ap.add_argument("--json", action="store_true", help="print only the JSON line")
     args = ap.parse_args()
-
-    from reinforge.cli.demo import evaluate, suite_domains
 
     for model in filter(None, (args.model, args.versus)):
         if not (Path(model) / "config.json").is_file():
             ap.error(f"{model}: no config.json there")
-    domains = [d for d in args.domains.split(",") if d] or suite_domains()[0]
+    if args.task_sets and not args.versus:
+        ap.error("--task-sets reads a change: give --versus too")
+    domains = [d for d in args.domains.split(",") if d] or demo.suite_domains()[0]
+    if args.task_sets:
+        print(json.dumps(task_sets(args, domains)), flush=True)
+        return 0
     models = {"start": args.model, **({"trained": args.versus} if args.versus else {})}
     runs: dict[tuple[str, int], dict[str, Any]] = {}
     seconds = []
     for name, model in models.items():
         for seed in SEEDS:
             t0 = time.perf_counter()
-            runs[name, seed] = evaluate(Path(model), domains, 2, args.tasks_per_tier, [0],
-                                        samples=args.samples, answer_prior=False,
-                                        held_per_tier=args.held_per_tier, seed=seed)
+            runs[name, seed] = demo.evaluate(
+                Path(model), domains, 2, args.tasks_per_tier, [0], samples=args.samples,
+                answer_prior=False, held_per_tier=args.held_per_tier, seed=seed)
             seconds.append(round(time.perf_counter() - t0, 1))
             if not args.json:
                 print(f"{name} with seed {seed}: {seconds[-1]} s", flush=True)
@@ -90,6 +109,45 @@ def main() -> int:
             / max(1e-9, result["unpaired"]["mean_abs_disagreement"]), 3)
     print(json.dumps(result), flush=True)
     return 0
+
+
+SHAPES = ((4, 8), (16, 2))
+"""(tasks a tier, samples a task) of `--task-sets`: the baseline, then the suite's."""
+
+
+def task_sets(args: argparse.Namespace, domains: list[str]) -> dict[str, Any]:
+    """One change read on two disjoint held-out task sets at each of SHAPES."""
+    from reinforge.cli.demo import evaluate
+
+    out: dict[str, Any] = {
+        "bench": "eval_noise", "mode": "task_sets",
+        "path": "reinforge eval: the embedded rollout server, tier 0, sampling seed 0",
+        "model": args.model, "versus": args.versus, "held_per_tier": args.held_per_tier,
+        "domains": len(domains), "eval_s": [], "shapes": {},
+    }
+    for tasks, samples in SHAPES:
+        if 2 * tasks > args.held_per_tier:
+            raise SystemExit(f"{tasks} tasks a set need {2 * tasks} held out a tier "
+                             f"(--held-per-tier {args.held_per_tier})")
+        readings = []
+        for skip in (0, tasks):  # set A, then the disjoint set B after it
+            runs = []
+            for model in (args.model, args.versus):
+                t0 = time.perf_counter()
+                runs.append(evaluate(Path(model), domains, 2, tasks, [0], samples=samples,
+                                     answer_prior=False, held_per_tier=args.held_per_tier,
+                                     skip=skip, seed=0))
+                out["eval_s"].append(round(time.perf_counter() - t0, 1))
+            readings.append(reading(*runs, domains))
+            if not args.json:
+                print(f"{tasks} tasks x {samples} samples, tasks {skip + 1}-{skip + tasks}: "
+                      f"mean change {readings[-1]['mean_change']:+.3f}", flush=True)
+        out["shapes"][f"{tasks}x{samples}"] = {"readings": readings, **disagreement(readings)}
+    (base, base_s), (suite, suite_s) = SHAPES
+    out["disagreement_ratio"] = round(
+        out["shapes"][f"{suite}x{suite_s}"]["mean_abs_disagreement"]
+        / max(1e-9, out["shapes"][f"{base}x{base_s}"]["mean_abs_disagreement"]), 3)
+    return out
 
 
 def reading(before: dict[str, Any], after: dict[str, Any], domains: list[str],

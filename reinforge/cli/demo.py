@@ -73,26 +73,36 @@ GUARD_MARGIN = 0.25
 SUITE_MAX_PROMPT_TOKENS = 768
 SUITE_CONTAMINATION_OVERLAP = 0.95
 SUITE_MAX_SAMPLE_S = 0.5  # a family slower to make one task stalls the scheduler (sokoban: 9 s)
-SUITE_EVAL_TASKS_PER_TIER = 4
-SUITE_EVAL_SAMPLES = 8
-"""Samples per held-out task in the suite's evaluations. One checkpoint evaluated twice, the
-draws apart, at 2 (`bench/eval_noise.py`) read 4 domains worse by 0.05 or more, worst
--0.125; at 8, 2 domains, worst -0.094. The evaluation takes about twice as long (batched),
-not four times."""
+SUITE_EVAL_TASKS_PER_TIER = 16
+SUITE_EVAL_SAMPLES = 2
+"""Held-out tasks a tier, and samples a task, in the suite's evaluations: many tasks of few
+samples, not 4 tasks of 8. The RL'd policy gives most families one answer whatever the task
+(gcd's "1", coin_flip's "0.5"), so which tasks are held out decides its score: one change
+(the start against a run's version 368) read -0.188, -0.156 and -0.094 on gcd,
+basic_arithmetic and coin_flip on 4 tasks of 8 samples, and +0.047, -0.016 and -0.250 on 32
+other tasks of 2. Sampling noise (two seeds on the same tasks, `bench/eval_noise.py`) is
+the smaller part once the answers collapse."""
 SUITE_GUARD_DOMAINS_PER_VERSION = 5
-SUITE_GUARD_SAMPLES = 8
+SUITE_GUARD_TASKS_PER_TIER = SUITE_EVAL_TASKS_PER_TIER
+SUITE_GUARD_SAMPLES = SUITE_EVAL_SAMPLES
 SUITE_GUARD_DROP_ALPHA = 0.05
-"""The suite's guard takes 8 samples a task, as its evaluations do, on 5 domains a version
-(mostly those that can fall: `EvaluatorConfig.zero_share`), and rolls back a fall the test
-on the counts finds at p < 0.05. At 2 samples it saw binary_alternation go 0.50, 0.25, 0.12,
-0 and flagged nothing; the final evaluation's 6 of 32 passes to 0 of 32 gives p = 0.01,
-which the evaluator's default 0.01 does not count."""
+"""The suite's guard scores as its evaluations do (16 tasks of 2 samples) on 5 domains a
+version (mostly those that can fall: `EvaluatorConfig.zero_share`), and rolls back a fall
+the test on the counts finds at p < 0.05. The final evaluation once read binary_alternation's
+6 of 32 passes falling to 0 of 32: p = 0.01, which the evaluator's default 0.01 does not
+count."""
 SUITE_ADVANTAGE_SCALE_FLOOR = 0.25
 """The suite's learner divides a group's centred rewards by at least this
 (`LearnerConfig.advantage_scale_floor`). Many families score a wrong answer a little (aiw
 0.2, futoshiki 0.056 a cell); with 2 groups a version the domain's std is the group's own,
 and a group of 0, 0, 0.06, 0 pushed the 0.06 answer as hard as a pass. aiw and
 basic_arithmetic, trained that way on 15 and 9 groups, fell 0.125 and 0.094."""
+SUITE_SIGNAL_SHARE_FLOOR = 0.02
+"""The suite's scheduler gives a domain whose groups carry no signal this fraction of the
+share it would get if every group taught (`SchedulerConfig.signal_share_floor`; 0.1 by
+default). About 65 of the 86 families are out of the tiny policy's reach at the start: at
+0.1 they would take about 40 % of the samples between them, at 0.02 about a tenth, which
+still probes each a few times a run."""
 SUITE_FALL_ALPHA = 0.05
 """A domain's fall counts as real in the suite's summary when the test on the counts
 (`scoring.drop_test`) gives p below this: two evaluations of one checkpoint with two sampling
@@ -344,14 +354,15 @@ def guard_floors(suite: str, start: dict[str, Any]) -> dict[str, float]:
     return {d: max(0.0, sc["pass_at_1"] - GUARD_MARGIN) for d, sc in start["domains"].items()}
 
 
-def guard_tasks_per_tier(reward_model: str = "") -> int:
+def guard_tasks_per_tier(reward_model: str = "", suite: str = "") -> int:
     """Held-out tasks a tier the run's guard scores, after those the demo reports."""
-    return RM_GUARD_TASKS if reward_model else GUARD_TASKS_PER_TIER
+    return RM_GUARD_TASKS if reward_model else \
+        SUITE_GUARD_TASKS_PER_TIER if suite == "gym" else GUARD_TASKS_PER_TIER
 
 
-def guarded_heldout(reported: int, reward_model: str = "") -> int:
+def guarded_heldout(reported: int, reward_model: str = "", suite: str = "") -> int:
     """Held-out tasks a tier of a guarded run: the `reported` ones, then the guard's."""
-    return reported + guard_tasks_per_tier(reward_model)
+    return reported + guard_tasks_per_tier(reward_model, suite)
 
 
 def evaluate(model: Path, domains: list[str], k: int, tasks_per_tier: int,
@@ -431,8 +442,10 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
         if guard_rotation else ""
     suite_floor = f", advantage_scale_floor = {SUITE_ADVANTAGE_SCALE_FLOOR}" \
         if guard_rotation else ""
+    suite_probes = f", signal_share_floor = {SUITE_SIGNAL_SHARE_FLOOR}" if guard_rotation else ""
     rm = f", reward_model = {json.dumps(reward_model)}" if reward_model else ""
-    guard_tasks = guard_tasks_per_tier(reward_model)
+    suite = getattr(args, "suite", "")
+    guard_tasks = guard_tasks_per_tier(reward_model, suite)
     guard_extra = (f", samples = {RM_GUARD_SAMPLES}" if reward_model else "") + (
         f", samples = {SUITE_GUARD_SAMPLES}, drop_alpha = {SUITE_GUARD_DROP_ALPHA}"
         if guard_rotation else "") + (
@@ -448,7 +461,7 @@ config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], k = 2{guar
         f"{json.dumps(d)} = {json.dumps([round(r, 4) for r in rates])}"
         for d, rates in start_pass_rates.items()) + " }") if start_pass_rates else ""
     held_out = heldout_per_tier if guard is None else \
-        guarded_heldout(heldout_per_tier, reward_model)
+        guarded_heldout(heldout_per_tier, reward_model, suite)
     held = f"tasks_per_tier = {held_out}" + (
         f", tiers = {json.dumps(heldout_tiers)}" if heldout_tiers else "")
     return f"""# Written by `reinforge demo`; `reinforge up {run_dir / 'demo.toml'}` runs it again.
@@ -465,7 +478,7 @@ healthy_timeout_s = 300
 
 [[actors]]
 spec = "reinforge.actors.scheduler:Scheduler"
-config = {{ domains = {{ {mix} }}, max_in_flight = {MAX_IN_FLIGHT}{starts} }}
+config = {{ domains = {{ {mix} }}, max_in_flight = {MAX_IN_FLIGHT}{suite_probes}{starts} }}
 
 [[actors]]
 spec = "reinforge.actors.sampler:SamplerActor"
@@ -567,8 +580,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from reinforge.rl.evalsets import HeldOutConfig
 
-    guard_tasks = guard_tasks_per_tier(rm_dir)
-    held = guarded_heldout(per_tier, rm_dir)
+    guard_tasks = guard_tasks_per_tier(rm_dir, args.suite)
+    held = guarded_heldout(per_tier, rm_dir, args.suite)
     heldout = HeldOutConfig(tasks_per_tier=held, tiers=tiers or [])
     _, sft = ensure_models(home, sft_domains, args.sft_steps,
                            policy=args.model if made_here(args.model) else "tiny", model=model,

@@ -396,10 +396,32 @@ def new_task_signal_rate(probs: Mapping[str, float], rates: Mapping[str, float],
     return min(1.0, rate) or 1.0
 
 
-def updated_signal_rate(rate: float, informative: bool, *, weight: float = 0.05) -> float:
-    """The moving average of "this domain's groups carry signal" (recent groups weigh more:
+SIGNAL_PRIOR_GROUPS = 2.0
+"""How many groups a domain's prior signal rate weighs as. The old rule, a moving average
+from 0.5 that moved 5 % a group, needed about 30 groups to learn a hopeless domain was one:
+in an 86-domain suite that was most of a run's samples (3,170 groups)."""
+
+
+def prior_signal_rate(start_pass_rates: Sequence[float], level: int, group_size: int) -> float:
+    """A domain's rate of groups with signal before any is judged: `informative_probability`
+    of the starting policy's pass rate at its curriculum's level, if measured, else 0.5. A
+    family that scores wrong answers a little shows signal at a pass rate of 0 too, and its
+    first informative groups lift the rate at once (`updated_signal_rate`)."""
+    if 0 <= level < len(start_pass_rates):
+        return informative_probability(start_pass_rates[level], group_size)
+    return 0.5
+
+
+def updated_signal_rate(rate: float, informative: bool, *, judged: int | None = None,
+                        prior_groups: float = SIGNAL_PRIOR_GROUPS,
+                        weight: float = 0.05) -> float:
+    """A domain's rate of groups with signal after one more verdict. With `judged`, the
+    verdicts before this one: the posterior mean of `prior_groups` pseudo-groups at the
+    prior rate and every verdict so far, until that would weigh a new verdict less than
+    `weight`; from then on, as without `judged`, a moving average (recent groups weigh more:
     the curriculum moves the tiers under it)."""
-    return rate + weight * ((1.0 if informative else 0.0) - rate)
+    step = weight if judged is None else max(weight, 1.0 / (prior_groups + judged + 1))
+    return rate + step * ((1.0 if informative else 0.0) - rate)
 
 
 class RunningStats(msgspec.Struct, kw_only=True, array_like=True):

@@ -185,6 +185,7 @@ class TaskDraw:
         self.curricula = {name: DomainCurriculum.new(CurriculumConfig(), len(d.tiers))
                           for name, d in self.domains.items()}
         self.signal_rates = dict.fromkeys(self.domains, SIGNAL_PRIOR)
+        self.signal_judged = dict.fromkeys(self.domains, 0)
         self.mix = self._mix()
         self.rng = random.Random(settings.seed)
         self.issued = 0
@@ -220,8 +221,9 @@ class TaskDraw:
         """Learn from a scored group: its domain's signal rate, its tier's pass rate."""
         rewards = [s.reward for s in group]
         name, tier = group[0].rollout.domain, group[0].rollout.tier
-        self.signal_rates[name] = updated_signal_rate(self.signal_rates[name],
-                                                      group_has_signal(rewards))
+        self.signal_rates[name] = updated_signal_rate(
+            self.signal_rates[name], group_has_signal(rewards), judged=self.signal_judged[name])
+        self.signal_judged[name] += 1
         self.mix = self._mix()
         self.curricula[name].record(tier, sum(rewards) / len(rewards))
 

@@ -332,9 +332,11 @@ def test_the_demo_starts_each_curriculum_at_the_tier_its_evaluation_found_unsolv
     assert scheduler.config["start_pass_rates"] == {"math": [0.9375, 0.5]}
 
 
-def test_the_suites_guard_takes_the_suites_samples_on_a_few_domains_a_version(tmp_path):
-    """At 2 samples a task, or at p < 0.01, the guard could not flag the falls from 0.19 to 0
-    that the suite's final evaluation found; the other demos keep the cheaper guard."""
+def test_the_suites_guard_scores_as_the_suites_evaluations_on_a_few_domains_a_version(
+        tmp_path):
+    """16 tasks of 2 samples, as the suite's evaluations, held out after the 16 reported;
+    at p < 0.01 the guard could not flag a fall from 6 of 32 passes to 0. The other demos
+    keep the cheaper guard."""
     import argparse
 
     from reinforge.actors.evaluator import EvaluatorConfig
@@ -345,44 +347,71 @@ def test_the_suites_guard_takes_the_suites_samples_on_a_few_domains_a_version(tm
     demo.register(parser.add_subparsers(dest="command"))
     config = tmp_path / "demo.toml"
 
-    def evaluator(rotation: int) -> EvaluatorConfig:
+    held_out = {}
+
+    def evaluator(rotation: int, *argv: str) -> EvaluatorConfig:
         config.write_text(demo.cluster_config(
-            "g", tmp_path, tmp_path / "sft", ["gym-gcd", "gym-ab"], parser.parse_args(["demo"]),
+            "g", tmp_path, tmp_path / "sft", ["gym-gcd", "gym-ab"],
+            parser.parse_args(["demo", *argv]), heldout_per_tier=16 if argv else 4,
             guard={"gym-gcd": 0.0, "gym-ab": 0.0}, guard_rotation=rotation))
-        actor, = [a for a in load_cluster_config(config).actors
-                  if a.spec.endswith(":Evaluator")]
+        loaded = load_cluster_config(config)
+        held_out[rotation] = loaded.run.heldout["tasks_per_tier"]
+        actor, = [a for a in loaded.actors if a.spec.endswith(":Evaluator")]
         return msgspec.convert(actor.config, EvaluatorConfig)
 
-    suite, plain = evaluator(demo.SUITE_GUARD_DOMAINS_PER_VERSION), evaluator(0)
-    assert (suite.samples, suite.drop_alpha, suite.domains_per_version) == (
+    suite = evaluator(demo.SUITE_GUARD_DOMAINS_PER_VERSION, "--suite", "gym")
+    plain = evaluator(0)
+    assert (suite.score_per_tier, suite.skip_per_tier, suite.samples, suite.drop_alpha,
+            suite.domains_per_version) == (
+        demo.SUITE_GUARD_TASKS_PER_TIER, demo.SUITE_EVAL_TASKS_PER_TIER,
         demo.SUITE_GUARD_SAMPLES, demo.SUITE_GUARD_DROP_ALPHA,
-        demo.SUITE_GUARD_DOMAINS_PER_VERSION) == (8, 0.05, 5)
+        demo.SUITE_GUARD_DOMAINS_PER_VERSION) == (16, 16, 2, 0.05, 5)
     defaults = EvaluatorConfig()
-    assert (plain.samples, plain.drop_alpha, plain.domains_per_version) == (
-        defaults.samples, defaults.drop_alpha, 0)
+    assert (plain.score_per_tier, plain.samples, plain.drop_alpha,
+            plain.domains_per_version) == (4, defaults.samples, defaults.drop_alpha, 0)
+    assert held_out == {demo.SUITE_GUARD_DOMAINS_PER_VERSION: 32, 0: 8}
 
 
-def test_the_suites_learner_keeps_crumbs_of_credit_from_weighing_as_a_pass(tmp_path):
+def actor_config(tmp_path, rotation, actor, config_type):
+    """`actor`'s config in the cluster the demo writes for gym-gcd, guarded with
+    `rotation` domains a version (the suite's, or 0: the other demos')."""
     import argparse
 
-    from reinforge.actors.learner import LearnerConfig
     from reinforge.cli import demo
     from reinforge.core.cluster import load_cluster_config
 
     parser = argparse.ArgumentParser(prog="reinforge")
     demo.register(parser.add_subparsers(dest="command"))
     config = tmp_path / "demo.toml"
+    config.write_text(demo.cluster_config(
+        "f", tmp_path, tmp_path / "sft", ["gym-gcd"], parser.parse_args(["demo"]),
+        guard={"gym-gcd": 0.0}, guard_rotation=rotation))
+    found, = [a for a in load_cluster_config(config).actors if a.spec.endswith(f":{actor}")]
+    return msgspec.convert(found.config, config_type)
+
+
+def test_the_suites_learner_keeps_crumbs_of_credit_from_weighing_as_a_pass(tmp_path):
+    from reinforge.actors.learner import LearnerConfig
+    from reinforge.cli import demo
 
     def learner(rotation):
-        config.write_text(demo.cluster_config(
-            "f", tmp_path, tmp_path / "sft", ["gym-gcd"], parser.parse_args(["demo"]),
-            guard={"gym-gcd": 0.0}, guard_rotation=rotation))
-        actor, = [a for a in load_cluster_config(config).actors if a.spec.endswith(":Learner")]
-        return msgspec.convert(actor.config, LearnerConfig)
+        return actor_config(tmp_path, rotation, "Learner", LearnerConfig)
 
     assert learner(demo.SUITE_GUARD_DOMAINS_PER_VERSION).advantage_scale_floor == \
         demo.SUITE_ADVANTAGE_SCALE_FLOOR == 0.25
     assert learner(0).advantage_scale_floor == LearnerConfig().advantage_scale_floor == 0.0
+
+
+def test_the_suites_scheduler_probes_domains_without_signal_at_a_lower_floor(tmp_path):
+    from reinforge.actors.scheduler import SchedulerConfig
+    from reinforge.cli import demo
+
+    def scheduler(rotation):
+        return actor_config(tmp_path, rotation, "Scheduler", SchedulerConfig)
+
+    assert scheduler(demo.SUITE_GUARD_DOMAINS_PER_VERSION).signal_share_floor == \
+        demo.SUITE_SIGNAL_SHARE_FLOOR == 0.02
+    assert scheduler(0).signal_share_floor == SchedulerConfig().signal_share_floor == 0.1
 
 
 def test_the_guards_floors_are_written_exactly_and_the_suite_has_none(tmp_path):
@@ -406,7 +435,9 @@ def test_the_guards_floors_are_written_exactly_and_the_suite_has_none(tmp_path):
     assert msgspec.convert(evaluator.config, EvaluatorConfig).thresholds == {"math": 0.09375}
 
 
-def test_the_suite_evaluates_more_samples_a_task_than_pass_at_k_needs():
+def test_the_suite_evaluates_many_tasks_of_few_samples():
+    """A policy that gives one answer whatever the task scores what its held-out tasks
+    happen to be: 16 tasks of 2 samples read it better than 4 of 8."""
     import argparse
 
     from reinforge.cli import UserError, demo
@@ -414,10 +445,12 @@ def test_the_suite_evaluates_more_samples_a_task_than_pass_at_k_needs():
     parser = argparse.ArgumentParser(prog="reinforge")
     demo.register(parser.add_subparsers(dest="command"))
     suite = parser.parse_args(["demo", "--suite", "gym"])
-    assert demo.eval_sizes(suite, ["gym-gcd"]) == (4, 2, demo.SUITE_EVAL_SAMPLES)
+    assert demo.eval_sizes(suite, ["gym-gcd"]) == (
+        demo.SUITE_EVAL_TASKS_PER_TIER, 2, demo.SUITE_EVAL_SAMPLES) == (16, 2, 2)
     assert demo.eval_sizes(parser.parse_args(["demo"]), ["math"]) == (20, 4, 4)
-    assert demo.eval_sizes(parser.parse_args(["demo", "--suite", "gym", "--eval-samples", "2"]),
-                           ["gym-gcd"]) == (4, 2, 2)
+    assert demo.eval_sizes(parser.parse_args(["demo", "--suite", "gym", "--eval-samples", "8",
+                                              "--eval-tasks-per-tier", "4"]),
+                           ["gym-gcd"]) == (4, 2, 8)
     with pytest.raises(UserError, match="pass@4 needs at least 4 samples"):
         demo.eval_sizes(parser.parse_args(["demo", "--eval-samples", "2"]), ["math"])
 

@@ -20,6 +20,7 @@ from reinforge.rl.curriculum import (
     mix_probabilities,
     new_task_signal_rate,
     pick_recurring_task,
+    prior_signal_rate,
     updated_signal_rate,
 )
 
@@ -280,6 +281,31 @@ def test_the_signal_rate_follows_recent_groups():
     for _ in range(100):
         rate = updated_signal_rate(rate, True)
     assert rate > 0.99
+
+
+def test_a_domains_signal_rate_is_its_posterior_mean_then_a_moving_average():
+    rate, verdicts, rates = 0.5, [False] * 8 + [True] * 2 + [False] * 30, []
+    for judged, informative in enumerate(verdicts):
+        before, rate = rate, updated_signal_rate(rate, informative, judged=judged,
+                                                 prior_groups=2.0)
+        rates.append(rate)
+        if judged < 17:  # 2 pseudo-groups at 0.5 and the verdicts so far, by hand
+            seen = verdicts[:judged + 1]
+            assert rate == pytest.approx((2 * 0.5 + sum(seen)) / (2 + len(seen)))
+        else:  # a verdict weighs 1 / 20 from the 18th on, as the moving average does
+            assert rate == pytest.approx(updated_signal_rate(before, informative))
+    # eight hopeless groups bring the prior of 0.5 to 0.1; the moving average alone, 0.33
+    moving = 0.5
+    for _ in range(8):
+        moving = updated_signal_rate(moving, False)
+    assert rates[7] == pytest.approx(0.1) and moving == pytest.approx(0.5 * 0.95**8)
+
+
+def test_the_prior_signal_rate_is_the_starts_pass_rate_at_the_level_or_a_half():
+    assert prior_signal_rate([0.0], 0, 4) == 0.0  # never passed: probed at the floor
+    assert prior_signal_rate([0.9, 0.5], 1, 4) == pytest.approx(1 - 2 / 16)
+    assert prior_signal_rate([0.9], 1, 4) == 0.5  # the level's tier was not measured
+    assert prior_signal_rate([], 0, 4) == 0.5
 
 
 def test_running_stats_match_numpy_mean_and_population_std():
