@@ -61,7 +61,8 @@ import hashlib
 import shutil
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -125,7 +126,9 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     skip_per_tier: int = 0
     """Leave each tier's first this many held-out tasks unscored: those a final evaluation
     reports, so that the guard's choices (what to roll back) are made on other tasks than
-    the figures the run is judged by (a validation slice apart from the test slice)."""
+    the figures the run is judged by (a validation slice apart from the test slice). A
+    tier holding fewer than `heldout.tasks_per_tier` (a small bank) splits what it holds
+    in the same proportions (`first_per_tier`)."""
     thresholds: dict[str, float] = {}
     """Minimum pass@1 per domain; below it, the version is rolled back."""
     drop_alpha: float = 0.01
@@ -142,6 +145,11 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """Domains with a gold check: a version whose reward rose while its gold pass rate fell
     against the baseline (sign test p below this, a fall larger than `drop_margin`) is
     rolled back (0: no such guard)."""
+    max_rollbacks_per_domain: int = 2
+    """Rollbacks a domain's falls may cause (0: no limit). A fall the training reaches again
+    from the version rolled back to is what this training does: rolling back once more only
+    repeats it (one suite run went back to v75 six times for one fall, and made nothing
+    after v113). Past the limit the domain's fall is said and the version kept."""
     domains_per_version: int = 0
     """Domains evaluated per version, in rotation (0: every domain every time)."""
     zero_share: float = 0.2
@@ -196,9 +204,10 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         if self.k < 1 or n < self.k:
             raise ValueError(f"EvaluatorConfig: need 1 <= k <= samples, got k={self.k}, "
                              f"samples={n}")
-        if self.every_versions < 1 or self.concurrency < 1 or self.skip_per_tier < 0:
+        if self.every_versions < 1 or self.concurrency < 1 or self.skip_per_tier < 0 or \
+                self.max_rollbacks_per_domain < 0:
             raise ValueError("EvaluatorConfig: every_versions and concurrency must be >= 1, "
-                             "skip_per_tier >= 0")
+                             "skip_per_tier and max_rollbacks_per_domain >= 0")
         if not (0.0 <= self.drop_alpha < 1.0 and 0.0 <= self.gold_alpha < 1.0) or \
                 self.drop_margin < 0 or self.domains_per_version < 0 or \
                 not 0.0 <= self.zero_share <= 1.0:
@@ -213,19 +222,31 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 # ----------------------------------------------------------------------------- scoring
 
 
-def first_per_tier(sets: Mapping[str, Sequence[TaskSpec]], n: int,
-                   skip: int = 0) -> dict[str, list[TaskSpec]]:
+def first_per_tier(sets: Mapping[str, Sequence[TaskSpec]], n: int, skip: int = 0,
+                   held: int = 0) -> dict[str, list[TaskSpec]]:
     """Each domain's first `n` tasks of every tier after its first `skip`, in order (n = 0:
-    all the rest)."""
+    all the rest). `held`: the tasks a tier the run held out; a tier holding fewer (a small
+    bank) gives each slice its share of what it holds, rounded up and at least 2 for the
+    first slice (a change on one task has no interval), so a guard scoring the tasks after
+    the reported ones still has some: n_queens held 10 of 32, 5 reported and 5 guarded."""
+    counts = {d: Counter(t.tier for t in tasks) for d, tasks in sets.items()}
     out: dict[str, list[TaskSpec]] = {}
     for domain, tasks in sets.items():
         seen: dict[int, int] = {}
         out[domain] = []
         for task in tasks:
             i = seen[task.tier] = seen.get(task.tier, 0) + 1
-            if skip < i and (not n or i <= skip + n):
+            cut = share_of(counts[domain][task.tier], held)
+            if cut(skip) < i and (not n or i <= cut(skip + n)):
                 out[domain].append(task)
     return out
+
+
+def share_of(m: int, held: int) -> Callable[[int], int]:
+    """Where the `b` first of `held` tasks end in a tier holding `m` (`first_per_tier`)."""
+    if m >= held:
+        return lambda b: b
+    return lambda b: 0 if b <= 0 else min(m, max(2, -(-b * m // held)))
 
 
 class VersionGone(Exception):
@@ -387,6 +408,7 @@ def regression_rollback(
     gold_peaks: Mapping[str, Baseline] | None = None,
     gold_alpha: float = 0.0,
     epoch: int = 0,
+    spent: Collection[str] = (),
 ) -> tuple[list[str], Rollback | None]:
     """(domains that regressed, the Rollback to publish or None). A domain regresses when
     it is below its threshold, or (with `drop_alpha` > 0) its pass@1 fell against its
@@ -398,7 +420,7 @@ def regression_rollback(
     rollback goes back to the peak if it is older than the last good version.
 
     A domain without verified tasks is not judged. No rollback without a good version older
-    than this one."""
+    than this one, nor for domains `spent` alone (those past `max_rollbacks_per_domain`)."""
     why: dict[str, str] = {}
     for d, s in scores.items():
         if s.n_tasks == 0:
@@ -426,13 +448,19 @@ def regression_rollback(
                 if last_good is not None and peak.path and peak.version < last_good.version:
                     last_good = GoodVersion(version=peak.version, path=peak.path)
     flagged = sorted(why)
-    if not flagged or last_good is None or last_good.version >= version:
+    if set(flagged) <= set(spent) or last_good is None or last_good.version >= version:
         return flagged, None
     return flagged, Rollback(
         to_version=last_good.version, path=last_good.path,
         reason=f"version {version} regressed: {', '.join(why[d] for d in flagged)}",
         from_epoch=epoch,
     )
+
+
+def spent_domains(rollbacks_for: Mapping[str, int], limit: int) -> set[str]:
+    """The domains whose falls may cause no more rollbacks: `limit` of them already (0: no
+    limit)."""
+    return {d for d, n in rollbacks_for.items() if limit and n >= limit}
 
 
 def epoch_tag(msg: WeightsPublished) -> str:
@@ -555,6 +583,8 @@ class EvaluatorState(msgspec.Struct, kw_only=True):
     rolled_back: list[int] = []
     watched: list[str] = []
     """The domains rollbacks were for: evaluated at every version after (`with_watched`)."""
+    rollbacks_for: dict[str, int] = {}
+    """Per domain, the rollbacks its falls were among the reasons for."""
 
 
 def load_evaluator_state(path: Path) -> EvaluatorState:
@@ -658,7 +688,8 @@ class Evaluator(Actor):
         self.domain_names = self.registry.resolve(cfg.domains, where="EvaluatorConfig.domains")
         self.domains = {d: self.registry.get(d) for d in self.domain_names}
         self.sets = first_per_tier(build_heldout(self.registry, self.domain_names, cfg.heldout),
-                                   cfg.score_per_tier, cfg.skip_per_tier)
+                                   cfg.score_per_tier, cfg.skip_per_tier,
+                                   cfg.heldout.tasks_per_tier)
         checker = ContaminationChecker(
             [(t.task_id, t.prompt) for ts in self.sets.values() for t in ts],
             n=cfg.contamination_n, min_overlap=cfg.contamination_min_overlap,
@@ -834,12 +865,17 @@ class Evaluator(Actor):
 
     async def guard(self, msg: WeightsPublished, scores: dict[str, DomainScore]) -> None:
         cfg: EvaluatorConfig = self.config
+        spent = spent_domains(self.state.rollbacks_for, cfg.max_rollbacks_per_domain)
         below, rollback = regression_rollback(
             msg.version, scores, cfg.thresholds, self.state.last_good,
             baselines=self.state.baselines, starts=self.start, drop_alpha=cfg.drop_alpha,
             drop_margin=cfg.drop_margin, gold_peaks=self.state.gold_peaks,
-            gold_alpha=cfg.gold_alpha, epoch=msg.epoch)
-        if not below:
+            gold_alpha=cfg.gold_alpha, epoch=msg.epoch, spent=spent)
+        if below and set(below) <= spent:
+            loud(f"version {msg.version} fell again in {', '.join(below)}, which "
+                 f"{cfg.max_rollbacks_per_domain} rollbacks each did not stop: kept (the "
+                 "training reaches this fall from the version it goes back to)")
+        if set(below) <= spent:
             self.state.last_good = GoodVersion(version=msg.version, path=msg.path)
             for d, s in scores.items():
                 if s.n_tasks:
@@ -857,6 +893,8 @@ class Evaluator(Actor):
                                               f"{epoch_tag(msg)}")
         self.state.rolled_back.append(msg.version)
         self.state.watched = with_watched(self.state.watched, below)
+        for d in below:
+            self.state.rollbacks_for[d] = self.state.rollbacks_for.get(d, 0) + 1
 
     async def keep_rollback_targets(self, version: int) -> None:
         """Tell the learner which checkpoints a rollback may return to (KeepVersions): the

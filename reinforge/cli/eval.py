@@ -51,7 +51,8 @@ def register(subparsers: Any) -> None:
                         "apart from those its final evaluation reports")
     p.add_argument("--score-per-tier", type=int, default=0, metavar="N",
                    help="score at most N held-out tasks a tier, after the skipped ones "
-                        "(default 0: all of them)")
+                        "(default 0: all of them); a tier holding fewer than --tasks-per-tier "
+                        "(a small bank) scales both counts to what it holds")
     p.add_argument("--tiers", default="", help="comma-separated tiers (default: all)")
     p.add_argument("--seed", type=int, default=None, help="held-out seed (default: the run's)")
     p.add_argument("--heldout-file", action="append", default=[], metavar="DOMAIN=JSONL",
@@ -156,7 +157,7 @@ async def _eval(args: argparse.Namespace, domains: list[str], samples: int, held
         domains = registry.resolve(domains, where="--domains")
         doms = {d: registry.get(d) for d in domains}
         sets = first_per_tier(build_heldout(registry, domains, heldout), args.score_per_tier,
-                              args.skip_per_tier)
+                              args.skip_per_tier, heldout.tasks_per_tier)
     except (KeyError, ValueError) as exc:
         raise UserError(str(exc).strip("'\"")) from None
     train = _pairs(args.train_file, "--train-file")

@@ -777,6 +777,26 @@ def test_the_guard_can_score_a_slice_apart_from_the_tasks_a_final_evaluation_rep
     assert first_per_tier(held, 0, skip=8) == {d: [] for d in held}
 
 
+def test_a_small_bank_gives_the_report_and_the_guard_each_its_share_of_what_it_holds():
+    """The run holds out 32 a tier, 16 reported and 16 for the guard. A tier whose bank gave
+    only 10 used to give all 10 to the report and none to the guard, which could then never
+    flag n_queens; now each slice keeps its half."""
+    from reinforge.actors.evaluator import first_per_tier
+
+    def task(tier, i):
+        return TaskSpec(task_id=f"t{tier}-{i}", domain="d", tier=tier, prompt=f"p{tier}-{i}",
+                        spec={})
+
+    held = {"d": [task(0, i) for i in range(10)] + [task(1, i) for i in range(32)]
+            + [task(2, i) for i in range(3)]}
+    report, guard = first_per_tier(held, 16, 0, 32)["d"], first_per_tier(held, 16, 16, 32)["d"]
+    assert [t.task_id for t in report] == [f"t0-{i}" for i in range(5)] + [
+        f"t1-{i}" for i in range(16)] + ["t2-0", "t2-1"]  # the report keeps 2 of 3
+    assert [t.task_id for t in guard] == [f"t0-{i}" for i in range(5, 10)] + [
+        f"t1-{i}" for i in range(16, 32)] + ["t2-2"]
+    assert first_per_tier(held, 0, 0, 32) == held  # everything, as without `held`
+
+
 # ----------------------------------------------------------------------------- many domains
 
 
@@ -899,6 +919,28 @@ def test_a_second_fall_of_one_version_number_is_a_second_rollback_not_a_redelive
     assert first.reason == second.reason and (first.from_epoch, second.from_epoch) == (0, 1)
     assert rollback_key(first) != rollback_key(second)
     assert rollback_key(first) == f"25:/v25:{first.reason}"  # as checkpoints recorded it
+
+
+def test_a_domain_rolled_back_for_twice_falls_without_a_third_rollback():
+    """In suite s24e gym-self_reference fell at v100, was rolled back to v75, and the
+    retrained v100 fell the same way, six times over: the run made nothing after v113. A
+    spent domain's fall is still named, but only another domain's fall rolls back."""
+    from reinforge.actors.evaluator import spent_domains
+
+    start = {d: Baseline.of(0, _scored([1.0] * 4)) for d in ("gym-a", "gym-b")}
+    good = GoodVersion(version=75, path="/v75")
+
+    def judge(fallen, spent):
+        scores = {d: _scored([0.0 if d in fallen else 1.0] * 4) for d in start}
+        return regression_rollback(100, scores, {}, good, starts=start, drop_alpha=0.05,
+                                   drop_margin=0.05, spent=spent)
+
+    assert judge({"gym-a"}, set())[1] is not None
+    assert judge({"gym-a"}, {"gym-a"}) == (["gym-a"], None)
+    both, rollback = judge({"gym-a", "gym-b"}, {"gym-a"})
+    assert both == ["gym-a", "gym-b"] and rollback.to_version == 75
+    assert spent_domains({"gym-a": 2, "gym-b": 1}, 2) == {"gym-a"}
+    assert spent_domains({"gym-a": 9}, 0) == set()  # no limit
 
 
 def test_a_domain_a_rollback_was_for_is_evaluated_at_every_version_after():
