@@ -871,11 +871,11 @@ class Evaluator(Actor):
             baselines=self.state.baselines, starts=self.start, drop_alpha=cfg.drop_alpha,
             drop_margin=cfg.drop_margin, gold_peaks=self.state.gold_peaks,
             gold_alpha=cfg.gold_alpha, epoch=msg.epoch, spent=spent)
-        if below and set(below) <= spent:
-            loud(f"version {msg.version} fell again in {', '.join(below)}, which "
-                 f"{cfg.max_rollbacks_per_domain} rollbacks each did not stop: kept (the "
-                 "training reaches this fall from the version it goes back to)")
-        if set(below) <= spent:
+        if set(below) <= spent:  # no fall, or only in domains past their rollbacks
+            if below:
+                loud(f"version {msg.version} fell again in {', '.join(below)}, which "
+                     f"{cfg.max_rollbacks_per_domain} rollbacks each did not stop: kept (the "
+                     "training reaches this fall from the version it goes back to)")
             self.state.last_good = GoodVersion(version=msg.version, path=msg.path)
             for d, s in scores.items():
                 if s.n_tasks:

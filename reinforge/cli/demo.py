@@ -421,7 +421,7 @@ def evaluate(model: Path, domains: list[str], k: int, tasks_per_tier: int,
 def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
                    args: argparse.Namespace, *, max_staleness: int = 2,
                    heldout_per_tier: int = 4, guard: dict[str, float] | None = None,
-                   heldout_tiers: list[int] | None = None, guard_rotation: int = 0,
+                   heldout_tiers: list[int] | None = None,
                    start_pass_rates: dict[str, list[float]] | None = None,
                    start_scores: Path | None = None, reward_model: str = "") -> str:
     """The TOML `reinforge up` runs. Sized for 2 CPU cores. `max_staleness=0` makes the
@@ -436,7 +436,9 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
     `start_scores`, the `reinforge eval --json` of the start on them) whose fall from the
     start the test on the counts finds at p < drop_alpha.
     `start_pass_rates` (domain -> the starting policy's pass@1 on tiers 0, 1, ...) starts
-    each domain's curriculum at the easiest tier it has not solved yet. `reward_model` scores
+    each domain's curriculum at the easiest tier it has not solved yet. `args.suite` "gym"
+    gives the actors the suite's settings (its guard's rotation and sizes, the scheduler's
+    floor, the learner's advantage floor). `reward_model` scores
     rm-synthetic, in the verifier and in the evaluator, whose gold guard then watches it on
     RM_GUARD_TASKS held-out tasks per tier, RM_GUARD_SAMPLES samples each."""
     from reinforge.envs.domain import DomainRegistry
@@ -451,17 +453,17 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
     ckpt = run_dir / "checkpoints"
     # Procedural families share long instruction templates: two different tasks of one
     # family overlap in most 13-grams, so only near-identical prompts count as contamination.
-    suite_overlap = f", contamination_min_overlap = {SUITE_CONTAMINATION_OVERLAP}" \
-        if guard_rotation else ""
-    suite_floor = f", advantage_scale_floor = {SUITE_ADVANTAGE_SCALE_FLOOR}" \
-        if guard_rotation else ""
-    suite_probes = f", signal_share_floor = {SUITE_SIGNAL_SHARE_FLOOR}" if guard_rotation else ""
-    rm = f", reward_model = {json.dumps(reward_model)}" if reward_model else ""
     suite = getattr(args, "suite", "")
+    gym = suite == "gym"
+    guard_rotation = SUITE_GUARD_DOMAINS_PER_VERSION if gym else 0
+    suite_overlap = f", contamination_min_overlap = {SUITE_CONTAMINATION_OVERLAP}" if gym else ""
+    suite_floor = f", advantage_scale_floor = {SUITE_ADVANTAGE_SCALE_FLOOR}" if gym else ""
+    suite_probes = f", signal_share_floor = {SUITE_SIGNAL_SHARE_FLOOR}" if gym else ""
+    rm = f", reward_model = {json.dumps(reward_model)}" if reward_model else ""
     guard_tasks = guard_tasks_per_tier(reward_model, suite)
     guard_extra = (f", samples = {RM_GUARD_SAMPLES}" if reward_model else "") + (
         f", samples = {SUITE_GUARD_SAMPLES}, drop_alpha = {SUITE_GUARD_DROP_ALPHA}"
-        if guard_rotation else "") + (
+        if gym else "") + (
         f", start_scores = {json.dumps(str(start_scores))}" if start_scores else "")
     evaluator = "" if guard is None else f"""
 [[actors]]
@@ -619,7 +621,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     config_path.write_text(cluster_config(
         run, run_dir, sft, domains, args, heldout_per_tier=per_tier, guard=floors,
         heldout_tiers=tiers,
-        guard_rotation=SUITE_GUARD_DOMAINS_PER_VERSION if args.suite == "gym" else 0,
         start_pass_rates={d: tier_pass_rates(sc["task_pass_at_1"], tier_of[d])
                           for d, sc in before["domains"].items()},
         start_scores=start_path, reward_model=rm_dir))

@@ -353,7 +353,7 @@ def test_the_suites_guard_scores_as_the_suites_evaluations_on_a_few_domains_a_ve
         config.write_text(demo.cluster_config(
             "g", tmp_path, tmp_path / "sft", ["gym-gcd", "gym-ab"],
             parser.parse_args(["demo", *argv]), heldout_per_tier=16 if argv else 4,
-            guard={"gym-gcd": 0.0, "gym-ab": 0.0}, guard_rotation=rotation))
+            guard={"gym-gcd": 0.0, "gym-ab": 0.0}))
         loaded = load_cluster_config(config)
         held_out[rotation] = loaded.run.heldout["tasks_per_tier"]
         actor, = [a for a in loaded.actors if a.spec.endswith(":Evaluator")]
@@ -384,8 +384,9 @@ def actor_config(tmp_path, rotation, actor, config_type):
     demo.register(parser.add_subparsers(dest="command"))
     config = tmp_path / "demo.toml"
     config.write_text(demo.cluster_config(
-        "f", tmp_path, tmp_path / "sft", ["gym-gcd"], parser.parse_args(["demo"]),
-        guard={"gym-gcd": 0.0}, guard_rotation=rotation))
+        "f", tmp_path, tmp_path / "sft", ["gym-gcd"],
+        parser.parse_args(["demo", *(("--suite", "gym") if rotation else ())]),
+        guard={"gym-gcd": 0.0}))
     found, = [a for a in load_cluster_config(config).actors if a.spec.endswith(f":{actor}")]
     return msgspec.convert(found.config, config_type)
 
