@@ -13,7 +13,10 @@ stream sequence, straight into the file: its cost is linear in the size (nats-py
 `get` appends to one bytes object, quadratic for a real model's gigabytes) and a cut-off
 host resumes at the chunk it was waiting for once the cluster answers again. Every file's
 size and SHA-256 digest are checked against the object's metadata on every fetch (a
-mismatch raises `WeightsCorrupt`). The directory appears only once every file arrived and
+mismatch raises `WeightsCorrupt`). A version's last object is the list of its files
+(`FILE_LIST`): a fetch takes a version as whole only when it lists them all, since the
+store's listing seen from one host may lack files another host already put (its replica
+behind the leader's after a partition heals). The directory appears only once every file arrived and
 was checked (written under a temporary name, then renamed), so an interrupted fetch leaves
 nothing that looks complete and the next message fetches again. The learner deletes a
 version's objects when it prunes the version's checkpoint.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -31,12 +35,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import trio
+
 from reinforge.core import subjects
 
 
 CHUNK_DEADLINE_S = 600.0
 """How long a fetch waits for the cluster to answer for one chunk (a host cut off, a leader
 election) before it gives up; the next weights message or poll starts it again."""
+
+
+FILE_LIST = ".files.json"
+"""The object, put after a version's files, that names them: `{"files": [name, ...]}`."""
+
+
+LISTING_WAIT_S = 30.0
+"""How long a fetch reads a version's listing again while it lacks files its list names."""
 
 
 class WeightsUnavailable(RuntimeError):
@@ -67,11 +81,12 @@ async def put_version(bus: Any, run: str, version: int, model_dir: str | Path) -
     bucket = subjects.weights_bucket(run)
     replicas = await bus.stream_replicas(subjects.stream_name(run))
     store = await bus.object_store(bucket, create=True, replicas=replicas)
-    for path in sorted(Path(model_dir).iterdir()):
-        if path.is_file():
-            data = path.read_bytes()
-            await bus.js_call(lambda p=path, d=data: store.put(object_name(version, p.name), d),
-                              what=f"putting {path.name} of v{version} into {bucket}")
+    files = [p for p in sorted(Path(model_dir).iterdir()) if p.is_file()]
+    listed = json.dumps({"files": [p.name for p in files]}).encode()
+    for name, read in [*((p.name, p.read_bytes) for p in files), (FILE_LIST, lambda: listed)]:
+        data = read()
+        await bus.js_call(lambda n=name, d=data: store.put(object_name(version, n), d),
+                          what=f"putting {name} of v{version} into {bucket}")
     return bucket
 
 
@@ -98,10 +113,12 @@ async def delete_versions(bus: Any, bucket: str, keep: set[int]) -> list[int]:
     return sorted(gone)
 
 
-async def fetch_version(bus: Any, bucket: str, version: int, dest: str | Path) -> Fetched:
+async def fetch_version(bus: Any, bucket: str, version: int, dest: str | Path, *,
+                        wait_s: float = LISTING_WAIT_S) -> Fetched:
     """Fetch version `version` from `bucket` into the directory `dest` (created whole, or
-    not at all). Raises WeightsUnavailable when the bucket or the version is not there,
-    WeightsCorrupt when a file does not match its metadata."""
+    not at all). Raises WeightsUnavailable when the bucket or the version is not there, or
+    the store lists it in part for longer than `wait_s`; WeightsCorrupt when a file does
+    not match its metadata."""
     import nats.js.errors
 
     try:
@@ -110,24 +127,50 @@ async def fetch_version(bus: Any, bucket: str, version: int, dest: str | Path) -
         raise WeightsUnavailable(f"v{version}: no object store {bucket} (does the learner "
                                  "publish_weights = 'store'?)") from None
 
-    prefix = f"v{version}/"
-    infos = [i for i in await _object_infos(bus, store, bucket) if i.name.startswith(prefix)]
-    if not infos:
-        raise WeightsUnavailable(f"object store {bucket} holds no files of v{version}")
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     started, size, chunks = time.monotonic(), 0, 0
     try:
-        for info in infos:
-            n = await _fetch_object(bus, bucket, info, tmp / info.name[len(prefix):])
-            size, chunks = size + info.size, chunks + n
+        infos, names = await _whole_version(bus, store, bucket, version, tmp, wait_s)
+        for name in names:
+            n = await _fetch_object(bus, bucket, infos[name], tmp / name)
+            size, chunks = size + infos[name].size, chunks + n
         os.replace(tmp, dest)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return Fetched(path=dest, files=len(infos), bytes=size, chunks=chunks,
+    return Fetched(path=dest, files=len(names), bytes=size, chunks=chunks,
                    seconds=time.monotonic() - started)
+
+
+async def _whole_version(bus: Any, store: Any, bucket: str, version: int, tmp: Path,
+                         wait_s: float) -> tuple[dict[str, Any], list[str]]:
+    """The objects of `version` by file name, and the names of its files (its `FILE_LIST`,
+    read through `tmp`), once the store lists every one; a listing that lacks some is read
+    again for up to `wait_s` (a replica catching up takes seconds)."""
+    prefix = f"v{version}/"
+    deadline = time.monotonic() + wait_s
+    while True:
+        infos = {i.name[len(prefix):]: i for i in await _object_infos(bus, store, bucket)
+                 if i.name.startswith(prefix)}
+        if not infos:
+            raise WeightsUnavailable(f"object store {bucket} holds no files of v{version}")
+        if FILE_LIST in infos:
+            await _fetch_object(bus, bucket, infos[FILE_LIST], tmp / FILE_LIST)
+            names = json.loads((tmp / FILE_LIST).read_bytes())["files"]
+            (tmp / FILE_LIST).unlink()
+            if not (missing := [n for n in names if n not in infos]):
+                return infos, names
+            problem = (f"lists {len(infos) - 1} of the {len(names)} files of v{version} "
+                       f"(missing: {', '.join(missing)})")
+        else:
+            problem = f"holds {len(infos)} files of v{version} but not their list ({FILE_LIST})"
+        if time.monotonic() >= deadline:
+            raise WeightsUnavailable(
+                f"object store {bucket} {problem} after {wait_s:.0f} s: this host's copy of "
+                "the store is behind the learner's, or the version is being put or pruned")
+        await trio.sleep(min(1.0, wait_s / 4))
 
 
 async def _object_infos(bus: Any, store: Any, bucket: str) -> list[Any]:

@@ -77,6 +77,51 @@ def test_a_version_travels_through_the_object_store_and_pruned_ones_leave_it(
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
+def test_a_version_the_store_lists_in_part_is_waited_for_then_refused(
+        creds, run_name, tmp_path):
+    """Seen from a host whose copy of the store is behind (after a partition heals), a
+    version's listing may lack files the learner put: here one is deleted after the put, so
+    the listing lacks it. The fetch reads the listing again for `wait_s`, then refuses the
+    version (the next message or poll fetches it again) instead of making a directory
+    without the file; a version put without its list of files (an interrupted put) is
+    refused too. A file that shows up while the fetch waits is fetched with the rest."""
+    from reinforge.core.weights import FILE_LIST, object_name
+
+    v1 = checkpoint(tmp_path, 1)
+    fetched = tmp_path / "fetched"
+
+    async def put_back_once_listed(bus, store):
+        while not any(fetched.glob(".v1-*")):  # the fetch is under way: its listing lacks
+            await trio.sleep(0.01)
+        await trio.sleep(0.3)
+        config = (v1 / "config.json").read_bytes()
+        await bus.js_call(lambda: store.put("v1/config.json", config), what="put")
+
+    async def main():
+        async with open_bus(creds) as bus:
+            bucket = await put_version(bus, run_name, 1, v1)
+            store = await bus.object_store(bucket)
+            await bus.js_call(lambda: store.delete("v1/config.json"), what="delete")
+            with pytest.raises(WeightsUnavailable, match=r"lists 1 of the 2 files of v1 "
+                               r"\(missing: config.json\) after 0 s"):
+                await fetch_version(bus, bucket, 1, fetched / "v1", wait_s=0)
+            await put_version(bus, run_name, 2, checkpoint(tmp_path, 2))
+            await bus.js_call(lambda: store.delete(object_name(2, FILE_LIST)), what="delete")
+            with pytest.raises(WeightsUnavailable, match="holds 2 files of v2 but not their "
+                               "list"):
+                await fetch_version(bus, bucket, 2, fetched / "v2", wait_s=0)
+            assert list(fetched.iterdir()) == []  # no half-made directory
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(put_back_once_listed, bus, store)
+                return await fetch_version(bus, bucket, 1, fetched / "v1", wait_s=30)
+
+    got = trio.run(main)
+    assert got.files == 2
+    assert sorted(p.name for p in fetched.iterdir()) == ["v1"]
+    for name in ("config.json", "model.safetensors"):
+        assert (fetched / "v1" / name).read_bytes() == (v1 / name).read_bytes()
+
+
 def test_a_file_whose_digest_does_not_match_its_metadata_is_refused_and_leaves_nothing(
         creds, run_name, tmp_path):
     """The chunks are the real ones; the object's metadata is republished with the digest
