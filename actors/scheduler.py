@@ -20,8 +20,9 @@ One owner for a group's fate: the learner. A group the scheduler saw complete wa
 learner's `GroupDecision`: until then it counts by its domain's signal rate, once ACCEPTED
 as one group, and a final decision (trained, or dropped with its reason) takes it out of the
 count and closes its lease. The signal rate itself is the learner's verdicts' average,
-from a prior set by the start's measured pass rate (a domain the start never passes is
-probed at the floor from its first task, not after 30 hopeless groups). The scheduler never
+from a prior set by the start's measured pass rate, read with its sample count (a domain
+the start never passes in many samples is probed at the floor from its first task, not
+after 30 hopeless groups; 0 of 4 is not hopeless). The scheduler never
 judges signal or staleness, so the two cannot disagree; a decision is acked only once the
 state that holds it is saved.
 
@@ -152,6 +153,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """domain -> the starting policy's pass rate on its tiers 0, 1, ... (e.g. from a
     held-out evaluation): a domain new to the run starts at the easiest tier it has not
     solved yet (`DomainCurriculum.new`), not at `curriculum.start_tier`."""
+    start_samples: dict[str, list[int]] = {}
+    """domain -> how many samples measured each of its `start_pass_rates` (default: the
+    rates are exact). A domain's first signal rate reads a rate measured on few samples as
+    uncertain (`prior_signal_rate`): 0 of 4 is not a hopeless domain."""
     heldout: HeldOutConfig = HeldOutConfig()
     """Tasks held out for evaluation: never issued for training; `[run]` (the evaluator
     scores the same)."""
@@ -178,6 +183,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         if bad:
             raise ValueError(f"SchedulerConfig.start_pass_rates: rates must be in [0, 1], got "
                              f"{bad}")
+        bad_n = {d: n for d, n in self.start_samples.items() if not all(x >= 0 for x in n)}
+        if bad_n:
+            raise ValueError(f"SchedulerConfig.start_samples: counts must be >= 0, got {bad_n}")
         if sum(self.replay_floors.values()) > 1.0:
             raise ValueError(f"SchedulerConfig.replay_floors add up to more than 1: "
                              f"{self.replay_floors}")
@@ -408,7 +416,7 @@ class Scheduler(Actor):
         if name not in self.state.counters:
             self.state.counters[name] = DomainCounters(signal_rate=prior_signal_rate(
                 cfg.start_pass_rates.get(name, ()), self.curricula[name].level,
-                cfg.group_size))
+                cfg.group_size, cfg.start_samples.get(name, ())))
         held = build_heldout(self.registry, [name], cfg.heldout)[name]
         self.heldout[name] = {fingerprint(t.prompt) for t in held}
         if name in cfg.task_files:

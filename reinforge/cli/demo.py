@@ -423,6 +423,7 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
                    heldout_per_tier: int = 4, guard: dict[str, float] | None = None,
                    heldout_tiers: list[int] | None = None,
                    start_pass_rates: dict[str, list[float]] | None = None,
+                   start_samples: dict[str, list[int]] | None = None,
                    start_scores: Path | None = None, reward_model: str = "") -> str:
     """The TOML `reinforge up` runs. Sized for 2 CPU cores. `max_staleness=0` makes the
     actors take turns (generate, verify, train, each waiting for the last): the synchronous
@@ -436,7 +437,8 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
     `start_scores`, the `reinforge eval --json` of the start on them) whose fall from the
     start the test on the counts finds at p < drop_alpha.
     `start_pass_rates` (domain -> the starting policy's pass@1 on tiers 0, 1, ...) starts
-    each domain's curriculum at the easiest tier it has not solved yet. `args.suite` "gym"
+    each domain's curriculum at the easiest tier it has not solved yet, and with
+    `start_samples` (the samples that measured each) its first signal rate. `args.suite` "gym"
     gives the actors the suite's settings (its guard's rotation and sizes, the scheduler's
     floor, the learner's advantage floor). `reward_model` scores
     rm-synthetic, in the verifier and in the evaluator, whose gold guard then watches it on
@@ -472,9 +474,9 @@ config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], k = 2{guar
 """
     lora = (f", lora = {{ r = {args.lora_rank}, alpha = {2.0 * args.lora_rank} }}"
             if args.lora_rank else "")
-    starts = (", start_pass_rates = { " + ", ".join(
-        f"{json.dumps(d)} = {json.dumps([round(r, 4) for r in rates])}"
-        for d, rates in start_pass_rates.items()) + " }") if start_pass_rates else ""
+    starts = inline_table("start_pass_rates", {
+        d: [round(r, 4) for r in rates] for d, rates in (start_pass_rates or {}).items()})
+    starts += inline_table("start_samples", start_samples or {})
     held_out = heldout_per_tier if guard is None else \
         guarded_heldout(heldout_per_tier, reward_model, suite)
     held = f"tasks_per_tier = {held_out}" + (
@@ -623,6 +625,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         heldout_tiers=tiers,
         start_pass_rates={d: tier_pass_rates(sc["task_pass_at_1"], tier_of[d])
                           for d, sc in before["domains"].items()},
+        start_samples={d: tier_samples(sc["task_counts"], tier_of[d])
+                       for d, sc in before["domains"].items()},
         start_scores=start_path, reward_model=rm_dir))
 
     say(f"starting the cluster: reinforge up {config_path} --detach")
@@ -860,6 +864,23 @@ def tier_pass_rates(task_pass: dict[str, float], tier_of: dict[str, int]) -> lis
     while scores := [v for t, v in task_pass.items() if tier_of.get(t) == len(rates)]:
         rates.append(sum(scores) / len(scores))
     return rates
+
+
+def inline_table(key: str, table: dict[str, Any]) -> str:
+    """`, key = { "name" = value, ... }` for an actor's inline TOML config; "" when empty."""
+    if not table:
+        return ""
+    return f", {key} = {{ " + ", ".join(f"{json.dumps(k)} = {json.dumps(v)}"
+                                        for k, v in table.items()) + " }"
+
+
+def tier_samples(task_counts: dict[str, list[int]], tier_of: dict[str, int]) -> list[int]:
+    """Samples scored on tiers 0, 1, ... of the held-out tasks (`task_counts`: task ->
+    [passes, samples]), up to the first tier with none: the sizes of `tier_pass_rates`."""
+    samples: list[int] = []
+    while counts := [n for t, (_, n) in task_counts.items() if tier_of.get(t) == len(samples)]:
+        samples.append(sum(counts))
+    return samples
 
 
 def tier_changes(before: dict[str, float], after: dict[str, float], tier_of: dict[str, int],

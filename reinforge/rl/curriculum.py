@@ -402,14 +402,21 @@ from 0.5 that moved 5 % a group, needed about 30 groups to learn a hopeless doma
 in an 86-domain suite that was most of a run's samples (3,170 groups)."""
 
 
-def prior_signal_rate(start_pass_rates: Sequence[float], level: int, group_size: int) -> float:
+def prior_signal_rate(start_pass_rates: Sequence[float], level: int, group_size: int,
+                      samples: Sequence[int] = ()) -> float:
     """A domain's rate of groups with signal before any is judged: `informative_probability`
-    of the starting policy's pass rate at its curriculum's level, if measured, else 0.5. A
-    family that scores wrong answers a little shows signal at a pass rate of 0 too, and its
-    first informative groups lift the rate at once (`updated_signal_rate`)."""
-    if 0 <= level < len(start_pass_rates):
-        return informative_probability(start_pass_rates[level], group_size)
-    return 0.5
+    of the starting policy's pass rate at its curriculum's level, if measured, else 0.5.
+    With `samples` (how many samples measured each rate) a rate is read as its Jeffreys
+    estimate, (passes + 1/2) / (samples + 1): no pass in 4 samples (a short demo's
+    evaluation) leaves a pass rate of 0.1 likely, no pass in 32 one of 0.015. A family
+    that scores wrong answers a little shows signal at a pass rate of 0 too, and its first
+    informative groups lift the rate at once (`updated_signal_rate`)."""
+    if not 0 <= level < len(start_pass_rates):
+        return 0.5
+    rate = start_pass_rates[level]
+    if level < len(samples) and samples[level] > 0:
+        rate = (rate * samples[level] + 0.5) / (samples[level] + 1)
+    return informative_probability(rate, group_size)
 
 
 def updated_signal_rate(rate: float, informative: bool, *, judged: int | None = None,

@@ -321,15 +321,19 @@ def test_the_demo_starts_each_curriculum_at_the_tier_its_evaluation_found_unsolv
     # tier 2 was not evaluated: the rates stop before it
     assert demo.tier_pass_rates({"a": 1.0, "b": 0.5, "c": 0.25, "d": 0.0}, tier_of) == \
         [0.75, 0.25]
+    assert demo.tier_samples({"a": [2, 2], "b": [1, 2], "c": [1, 4], "d": [0, 2]},
+                             tier_of) == [4, 4]
     parser = argparse.ArgumentParser(prog="reinforge")
     demo.register(parser.add_subparsers(dest="command"))
     config = tmp_path / "demo.toml"
     config.write_text(demo.cluster_config("s", tmp_path, tmp_path / "sft", ["math", "code"],
                                           parser.parse_args(["demo"]),
-                                          start_pass_rates={"math": [0.9375, 0.5]}))
+                                          start_pass_rates={"math": [0.9375, 0.5]},
+                                          start_samples={"math": [16, 8]}))
     scheduler, = [a for a in load_cluster_config(config).actors
                   if a.spec.endswith(":Scheduler")]
     assert scheduler.config["start_pass_rates"] == {"math": [0.9375, 0.5]}
+    assert scheduler.config["start_samples"] == {"math": [16, 8]}
 
 
 def test_the_suites_guard_scores_as_the_suites_evaluations_on_a_few_domains_a_version(

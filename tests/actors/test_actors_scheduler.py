@@ -211,6 +211,8 @@ def test_a_tier_whose_every_task_is_held_out_is_stepped_over_not_waited_on(
 def test_starting_pass_rates_outside_0_1_are_refused():
     with pytest.raises(ValueError, match="start_pass_rates: rates must be in"):
         SchedulerConfig(start_pass_rates={"math": [0.5, 54.0]})
+    with pytest.raises(ValueError, match="start_samples: counts must be >= 0"):
+        SchedulerConfig(start_samples={"math": [4, -1]})
 
 
 def test_a_lease_is_reissued_after_its_sampler_was_killed_and_completes_once(
@@ -665,25 +667,31 @@ def test_the_mix_moves_to_the_domain_whose_groups_carry_signal_unless_switched_o
     assert rates["math"].signal_rate > 0.99 and rates["docqa"].signal_rate < 0.1
 
 
-def test_a_domain_the_start_never_passed_is_probed_at_the_floor_from_its_first_task(
-    creds, run_name, tmp_path
+@pytest.mark.parametrize("docqa_samples, docqa_rate, docqa_range", [
+    ([], 0.0, (5, 40)),  # an exact 0: floored at 0.1, 0.1 / 0.975 of 200 = 21 (sd 4)
+    ([4], 1 - 0.9**4 - 0.1**4, (40, 80)),  # 0 of 4: 0.344 / 1.219 of 200 = 56 (sd 6)
+], ids=["exact", "of-4-samples"])
+def test_a_domain_the_start_never_passed_is_probed_at_the_floor_only_if_it_was_measured_well(
+    creds, run_name, tmp_path, docqa_samples, docqa_rate, docqa_range
 ):
     """No group comes back: the mix of the first 200 tasks is the priors' alone. The start
-    passed math half the time (signal rate 1 - 2 / 2**4) and docqa never (0, floored at
-    0.1): docqa's share is 0.1 / 0.975, about 21 of 200 (sd 4), not the half a flat prior
-    gives every domain."""
+    passed math half the time (signal rate 1 - 2 / 2**4) and docqa never. An exact 0 is a
+    hopeless domain, probed at the floor from its first task, not at the half a flat prior
+    gives every domain; 0 of 4 samples (a short demo's evaluation) leaves a pass rate of 0.1
+    likely (Jeffreys), so docqa's first signal rate is 1 - 0.9**4 - 0.1**4."""
     cfg = config(tmp_path, domains={"math": 1.0, "docqa": 1.0}, group_size=4,
                  max_in_flight=200, groups_per_version=1000,
-                 start_pass_rates={"math": [0.5], "docqa": [0.0]})
+                 start_pass_rates={"math": [0.5], "docqa": [0.0]},
+                 start_samples={"docqa": docqa_samples})
 
     async def main():
         async with open_bus(creds) as bus, scheduler(creds, run_name, cfg):
             return await TaskWatcher(bus, run_name).until(lambda ts: len(ts) >= 200)
 
     first = Counter(t.domain for t in trio.run(main)[:200])
-    assert 5 <= first["docqa"] <= 40, first
+    assert docqa_range[0] <= first["docqa"] <= docqa_range[1], first
     rates = load_state(tmp_path / "state.json").counters
-    assert rates["docqa"].signal_rate == 0.0
+    assert rates["docqa"].signal_rate == pytest.approx(docqa_rate)
     assert rates["math"].signal_rate == pytest.approx(1 - 2 / 2**4)
 
 

@@ -308,6 +308,20 @@ def test_the_prior_signal_rate_is_the_starts_pass_rate_at_the_level_or_a_half():
     assert prior_signal_rate([], 0, 4) == 0.5
 
 
+def test_a_start_pass_rate_measured_on_few_samples_is_read_as_uncertain():
+    # no pass in 4 samples: a pass rate of 0.5 / 5 = 0.1 (Jeffreys), not 0
+    assert prior_signal_rate([0.0], 0, 4, samples=[4]) == pytest.approx(1 - 0.9**4 - 0.1**4)
+    # in 32 samples: 0.5 / 33, a domain probed barely above a 0.02 floor
+    assert prior_signal_rate([0.0], 0, 4, samples=[32]) == pytest.approx(
+        1 - (32.5 / 33) ** 4 - (0.5 / 33) ** 4)
+    # all 4 passed: 4.5 / 5, symmetric; the level's own count is the one read
+    assert prior_signal_rate([0.2, 1.0], 1, 4, samples=[100, 4]) == pytest.approx(
+        1 - 0.9**4 - 0.1**4)
+    # a rate without a count (or a count of 0) is exact
+    assert prior_signal_rate([0.0, 0.0], 1, 4, samples=[4]) == 0.0
+    assert prior_signal_rate([0.0], 0, 4, samples=[0]) == 0.0
+
+
 def test_running_stats_match_numpy_mean_and_population_std():
     xs = [0.0, 1.0, 1.0, 0.5, 0.25, 1.0]
     rs = RunningStats()
