@@ -30,7 +30,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import io
+import json
 import random
 from collections.abc import Mapping
 from pathlib import Path
@@ -152,6 +154,17 @@ class GymDomain:
     @functools.cached_property
     def _configs(self) -> list[dict[str, Any]]:
         return tier_configs(self.dataset)
+
+    @functools.cached_property
+    def generator_version(self) -> str:
+        """What the task a seed draws depends on: reasoning-gym's version, the tiers'
+        configurations and this adapter's code (its prompt and reference). Sets of drawn
+        tasks kept on disk (held-out sets) are kept under it."""
+        from importlib.metadata import version
+
+        adapter = hashlib.sha1(Path(__file__).read_bytes()).hexdigest()[:16]
+        configs = json.dumps(self._configs, sort_keys=True, default=repr)
+        return f"reasoning-gym {version('reasoning-gym')} adapter {adapter} tiers {configs}"
 
     @property
     def tiers(self) -> tuple[Tier, ...]:  # type: ignore[override]

@@ -22,14 +22,19 @@ The evaluator refuses to start on a contaminated set (`ContaminationError`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import random
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
+from reinforge.core import paths
+from reinforge.core.atomic import write_atomic
 from reinforge.envs.domain import TaskSpec, templated_prompts
 
 _TOKEN_RE = re.compile(r"\w+|[^\w\s]+")
@@ -75,7 +80,8 @@ def unseen_mass(drawn: Counter[str]) -> float:
 
 
 def build_heldout(
-    registry: Any, domains: Iterable[str], config: HeldOutConfig
+    registry: Any, domains: Iterable[str], config: HeldOutConfig, *,
+    cache: Path | None = None,
 ) -> dict[str, list[TaskSpec]]:
     """The held-out tasks of each domain: from its file, else generated with the held-out seed.
 
@@ -83,7 +89,11 @@ def build_heldout(
     or repeated so often that most of its bank was drawn (`unseen_mass`), has a small bank,
     such as a procedural family's easiest level: half of what they found is held out, the
     rest left to training, which could otherwise never reach the tier. (No extra draws to
-    size a bank: some generators take minutes on a rare item.)"""
+    size a bank: some generators take minutes on a rare item.)
+
+    A domain that names what its draws depend on (`generator_version`) keeps its generated
+    set in `cache` (default `<home>/cache/heldout`): the scheduler, the evaluator and every
+    evaluation of a run build the same set, and a procedural family's can take seconds."""
     out: dict[str, list[TaskSpec]] = {}
     for name in domains:
         domain = registry.get(name)
@@ -94,33 +104,26 @@ def build_heldout(
             out[name] = tasks
             continue
         tiers = config.tiers or list(range(len(domain.tiers)))
-        tasks, seen = [], set()
         for tier in tiers:
             if not 0 <= tier < len(domain.tiers):
                 raise ValueError(
                     f"held-out tier {tier} is not a tier of domain {name!r} "
                     f"(0..{len(domain.tiers) - 1})"
                 )
-            rng = random.Random(f"heldout:{name}:{tier}:{config.seed}")
-            cap = domain.tiers[tier].max_heldout
-            want = min(config.tasks_per_tier, cap) if cap else config.tasks_per_tier
-            held: list[TaskSpec] = []
-            drawn: Counter[str] = Counter()
-            for _ in range(want * 20):
-                if len(held) >= want:
-                    break
-                task = domain.sample_task(rng, tier)
-                fp = fingerprint(task.prompt)
-                drawn[fp] += 1
-                if fp in seen:
-                    continue
-                seen.add(fp)
-                held.append(msgspec.structs.replace(task, task_id=f"heldout-{task.task_id}"))
-            # the whole bank, or most of it (a tier's own cap is its author's sizing)
-            if len(held) < want or (not cap and unseen_mass(drawn) < 0.5):
-                del held[len(held) // 2 :]
-            tasks += held
-        out[name] = tasks
+        version = getattr(domain, "generator_version", None)
+        if version is None:
+            out[name] = generate_heldout(name, domain, tiers, config)
+            continue
+        key = json.dumps([name, tiers, config.tasks_per_tier, config.seed, version,
+                          TaskSpec.__struct_fields__])
+        kept = (cache or paths.home() / "cache" / "heldout") / (
+            f"{name}-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json")
+        try:
+            out[name] = msgspec.json.decode(kept.read_bytes(), type=list[TaskSpec])
+        except (OSError, msgspec.DecodeError):  # not made yet, or cut short: made again
+            out[name] = generate_heldout(name, domain, tiers, config)
+            with contextlib.suppress(OSError):  # a cache that cannot be written is no error
+                write_atomic(kept, msgspec.json.encode(out[name]))
     for path in config.review_sets:
         for task in reviewed_tasks(path):
             held = out.get(task.domain)
@@ -129,6 +132,35 @@ def build_heldout(
             if fingerprint(task.prompt) not in {fingerprint(t.prompt) for t in held}:
                 held.append(task)
     return out
+
+
+def generate_heldout(name: str, domain: Any, tiers: Sequence[int],
+                     config: HeldOutConfig) -> list[TaskSpec]:
+    """The generated held-out tasks on `tiers` of `domain`, registered as `name` (see
+    `build_heldout`)."""
+    tasks: list[TaskSpec] = []
+    seen: set[str] = set()
+    for tier in tiers:
+        rng = random.Random(f"heldout:{name}:{tier}:{config.seed}")
+        cap = domain.tiers[tier].max_heldout
+        want = min(config.tasks_per_tier, cap) if cap else config.tasks_per_tier
+        held: list[TaskSpec] = []
+        drawn: Counter[str] = Counter()
+        for _ in range(want * 20):
+            if len(held) >= want:
+                break
+            task = domain.sample_task(rng, tier)
+            fp = fingerprint(task.prompt)
+            drawn[fp] += 1
+            if fp in seen:
+                continue
+            seen.add(fp)
+            held.append(msgspec.structs.replace(task, task_id=f"heldout-{task.task_id}"))
+        # the whole bank, or most of it (a tier's own cap is its author's sizing)
+        if len(held) < want or (not cap and unseen_mass(drawn) < 0.5):
+            del held[len(held) // 2 :]
+        tasks += held
+    return tasks
 
 
 def reviewed_tasks(path: str) -> list[TaskSpec]:

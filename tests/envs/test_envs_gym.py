@@ -86,14 +86,14 @@ def test_tiers_follow_the_curriculum_and_a_level_the_dataset_rejects_is_left_out
     assert gym.tier_configs("knight_swap") == [{}]
 
 
-def test_a_level_whose_items_take_minutes_to_make_is_not_a_tier():
+def test_a_level_whose_items_take_minutes_to_make_is_not_a_tier(tmp_path):
     from reinforge.rl.evalsets import HeldOutConfig, build_heldout
 
     assert gym.TIER_CAPS["number_sequence"][0] == 3
     assert len(gym.tier_configs("number_sequence")) == 3  # its curriculum has 4 levels
     # every tier's held-out set is made (at level 3 one of these items ran for minutes)
     sets = build_heldout(DomainRegistry.default(), ["gym-number_sequence"],
-                         HeldOutConfig(tasks_per_tier=20))
+                         HeldOutConfig(tasks_per_tier=20), cache=tmp_path)  # drawn here
     assert sorted({t.tier for t in sets["gym-number_sequence"]}) == [0, 1, 2]
 
 
@@ -156,7 +156,7 @@ SAMPLE_EVERY_DOMAIN = """
 import json, random, sys
 from reinforge.envs.domain import DomainRegistry
 r = DomainRegistry.default()
-json.dump({n: r.get(n).sample_task(random.Random(n), 0).prompt
+json.dump({n: [r.get(n).sample_task(random.Random(n), 0).prompt, r.get(n).generator_version]
            for n in r.names(families=True) if n.startswith("gym-")}, sys.stdout)
 """
 
@@ -164,7 +164,8 @@ json.dump({n: r.get(n).sample_task(random.Random(n), 0).prompt
 def test_every_item_is_the_same_in_another_process_so_the_verifier_scores_what_was_shown():
     # The scheduler samples a task and a verifier (another process, another string-hash
     # seed) regenerates it from its seed; four datasets depend on set order and are left out.
-    def prompts(hash_seed: str) -> dict[str, str]:
+    # The generator's version, under which held-out sets are kept on disk, is the same too.
+    def prompts(hash_seed: str) -> dict[str, list[str]]:
         out = subprocess.run([sys.executable, "-c", SAMPLE_EVERY_DOMAIN], text=True,
                              capture_output=True, timeout=300,
                              env={**os.environ, "PYTHONHASHSEED": hash_seed})
