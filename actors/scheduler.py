@@ -9,10 +9,11 @@ Dataflow:
         ^-- Announce (ctl.<run>.announce): the domains verifiers serve (available, not scheduled)
 
 Decisions (pure, in `reinforge.rl.curriculum`): the domain by mixing weights x regression
-boosts x its recent rate of groups with signal (floored at `signal_share_floor`, so a
-mastered or hopeless domain is still probed), with replay floors for critical domains; the
-tier where the predicted group pass rate gives the most learning signal (a tier with no
-training task stepped over); for recurring (file) tasks, the task itself. Flow control:
+boosts x its recent rate of groups that hold a pass and a non-pass (`pass_signal_rate`,
+floored at `signal_share_floor`, so a mastered or hopeless domain is still probed), with
+replay floors for critical domains; the tier where the predicted group pass rate gives the
+most learning signal (a tier with no training task stepped over); for recurring (file)
+tasks, the task itself. Flow control:
 in-flight tasks stay within `issue_budget` (learner demand x max staleness, each task counted
 by its domain's recent rate of groups with signal) and per-domain quotas.
 
@@ -74,6 +75,7 @@ from reinforge.rl.curriculum import (
     RunningStats,
     TaskRecord,
     floored_signal_rate,
+    group_straddles_pass,
     issue_budget,
     mix_probabilities,
     new_task_signal_rate,
@@ -134,10 +136,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     pipeline on its own); `max_in_flight` is the hard cap."""
     signal_share_floor: float = 0.1
     """The mix follows the signal: a domain's weight is multiplied by its recent rate of
-    groups with signal, floored at this. A domain whose groups are all pass or all fail
-    (mastered, or out of reach) keeps this fraction of the share it would get if every
-    group taught, so it is probed again as the policy changes. 1 turns this off: the
-    weights alone."""
+    groups that hold a pass and a non-pass (`group_straddles_pass`), floored at this. A
+    domain whose groups are all pass or all fail (mastered, or out of reach; partial credit
+    does not count) keeps this fraction of the share it would get if every group taught,
+    so it is probed again as the policy changes. 1 turns this off: the weights alone."""
     lease_s: float = 300.0
     """A task whose group is neither complete nor decided after this is reissued
     (attempt + 1)."""
@@ -224,6 +226,8 @@ class GroupTally(msgspec.Struct, kw_only=True):
     """On the scheduler's clock (see `SchedulerState.clock_offset_s`)."""
     oldest_version: int = -1
     """The oldest policy version among its samples (-1: none yet)."""
+    passes: int = 0
+    """Samples that passed (outcome pass, whatever their reward)."""
 
 
 class AwaitingDecision(msgspec.Struct, kw_only=True):
@@ -246,6 +250,11 @@ class DomainCounters(msgspec.Struct, kw_only=True):
     the start's pass rate's where the config measured one, else 0.5."""
     signal_judged: int = 0
     """Verdicts in `signal_rate`: the prior weighs less as they come."""
+    pass_signal_rate: float = 0.5
+    """Of its complete groups, the rate that hold a pass and a non-pass
+    (`group_straddles_pass`), from the same prior: the mix's measure of the frontier.
+    Below `signal_rate` where partial credit makes rewards differ without a pass."""
+    pass_judged: int = 0
     late_groups: int = 0
     stale_groups: int = 0
     """Groups the learner dropped as too stale."""
@@ -414,9 +423,11 @@ class Scheduler(Actor):
         )
         self.state.curricula[name] = self.curricula[name].state
         if name not in self.state.counters:
-            self.state.counters[name] = DomainCounters(signal_rate=prior_signal_rate(
+            prior = prior_signal_rate(
                 cfg.start_pass_rates.get(name, ()), self.curricula[name].level,
-                cfg.group_size, cfg.start_samples.get(name, ())))
+                cfg.group_size, cfg.start_samples.get(name, ()))
+            self.state.counters[name] = DomainCounters(signal_rate=prior,
+                                                       pass_signal_rate=prior)
         held = build_heldout(self.registry, [name], cfg.heldout)[name]
         self.heldout[name] = {fingerprint(t.prompt) for t in held}
         if name in cfg.task_files:
@@ -468,6 +479,7 @@ class Scheduler(Actor):
             tally.infra.append(index)
         else:
             tally.rewards[index] = msg.reward
+            tally.passes += msg.outcome == Outcome.PASS
         tally.tokens += len(r.output_ids)
         if tally.oldest_version < 0 or r.policy_version < tally.oldest_version:
             tally.oldest_version = r.policy_version
@@ -487,6 +499,11 @@ class Scheduler(Actor):
         c.infra_samples += len(tally.infra)
         for x in rewards:
             c.rewards.add(x)
+        if rewards:
+            c.pass_signal_rate = updated_signal_rate(
+                c.pass_signal_rate, group_straddles_pass(tally.passes, len(rewards)),
+                judged=c.pass_judged)
+            c.pass_judged += 1
         lease = st.leases.pop(task_id, None)
         if lease is None:
             c.late_groups += 1  # a group of an attempt already superseded, or not ours
@@ -618,7 +635,8 @@ class Scheduler(Actor):
 
     def probabilities(self, eligible: set[str]) -> dict[str, float]:
         cfg: SchedulerConfig = self.config
-        boosts = {d: floored_signal_rate(self._raw_signal_rate(d), cfg.signal_share_floor)
+        boosts = {d: floored_signal_rate(self.state.counters.get(d, DomainCounters())
+                                         .pass_signal_rate, cfg.signal_share_floor)
                   for d in eligible}
         for d, p in self.state.eval_pass_at_1.items():
             if d in boosts and d in cfg.min_pass_at_1 and p < cfg.min_pass_at_1[d]:
@@ -834,6 +852,7 @@ class Scheduler(Actor):
             out[f"{d}.groups"] = float(c.groups)
             out[f"{d}.informative_groups"] = float(c.informative_groups)
             out[f"{d}.signal_rate"] = self.signal_rate(d)
+            out[f"{d}.pass_signal_rate"] = c.pass_signal_rate
             out[f"{d}.wasted_tokens"] = float(c.wasted_tokens)
             out[f"{d}.wasted_token_frac"] = c.wasted_tokens / c.tokens if c.tokens else 0.0
             out[f"{d}.reward_mean"] = c.rewards.mean

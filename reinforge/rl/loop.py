@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import msgspec
-from reinforge.core.messages import Rollout, ScoredRollout, Task, WeightsPublished, rollout_id
+from reinforge.core.messages import (Outcome, Rollout, ScoredRollout, Task, WeightsPublished,
+                                     rollout_id)
 from reinforge.rl import checkpoint as ckpt
 from reinforge.rl.curriculum import (
     CurriculumConfig,
@@ -48,6 +49,7 @@ from reinforge.rl.curriculum import (
     draw_domain,
     floored_signal_rate,
     group_has_signal,
+    group_straddles_pass,
     issue_budget,
     mix_probabilities,
     new_task_signal_rate,
@@ -186,15 +188,18 @@ class TaskDraw:
                           for name, d in self.domains.items()}
         self.signal_rates = dict.fromkeys(self.domains, SIGNAL_PRIOR)
         self.signal_judged = dict.fromkeys(self.domains, 0)
+        self.pass_signal_rates = dict.fromkeys(self.domains, SIGNAL_PRIOR)
+        self.pass_judged = dict.fromkeys(self.domains, 0)
         self.mix = self._mix()
         self.rng = random.Random(settings.seed)
         self.issued = 0
 
     def _mix(self) -> dict[str, float]:
-        """Equal weights, each times its domain's signal rate (floored), as the scheduler's."""
+        """Equal weights, each times its domain's rate of groups that hold a pass and a
+        non-pass (floored), as the scheduler's."""
         floor = self.settings.signal_share_floor
         return mix_probabilities(dict.fromkeys(self.domains, 1.0), boosts={
-            d: floored_signal_rate(r, floor) for d, r in self.signal_rates.items()})
+            d: floored_signal_rate(r, floor) for d, r in self.pass_signal_rates.items()})
 
     def tasks(self, missing_groups: int) -> list[Task]:
         s = self.settings
@@ -218,12 +223,18 @@ class TaskDraw:
         return task
 
     def record(self, group: list[ScoredRollout]) -> None:
-        """Learn from a scored group: its domain's signal rate, its tier's pass rate."""
+        """Learn from a scored group: its domain's signal rates, its tier's pass rate."""
         rewards = [s.reward for s in group]
         name, tier = group[0].rollout.domain, group[0].rollout.tier
         self.signal_rates[name] = updated_signal_rate(
             self.signal_rates[name], group_has_signal(rewards), judged=self.signal_judged[name])
         self.signal_judged[name] += 1
+        scored = [s.outcome for s in group if s.outcome != Outcome.INFRA_ERROR]
+        self.pass_signal_rates[name] = updated_signal_rate(
+            self.pass_signal_rates[name],
+            group_straddles_pass(scored.count(Outcome.PASS), len(scored)),
+            judged=self.pass_judged[name])
+        self.pass_judged[name] += 1
         self.mix = self._mix()
         self.curricula[name].record(tier, sum(rewards) / len(rewards))
 

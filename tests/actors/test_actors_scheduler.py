@@ -640,31 +640,35 @@ def test_the_learners_decisions_alone_move_the_budget_and_the_signal_figures(
 
 
 # docqa's tasks among the 200 after the first 200: with the floor at 1, about half (within
-# 4 sd); with the default floor, docqa's signal rate falls from the prior of 0.5 as 1 / (2 +
-# its decisions), to the floor within 8 of them, and from then on its share is 0.1 / 1.1
-# (18 of 200, sd 4).
+# 4 sd); with the default floor, docqa's rate of groups with a pass and a fail falls from
+# the prior of 0.5 as 1 / (2 + its groups), to the floor within 8 of them, and from then on
+# its share is 0.1 / 1.1 (18 of 200, sd 4).
 @pytest.mark.parametrize(("floor", "docqa_range"), [(1.0, (72, 128)), (0.1, (0, 34))])
-def test_the_mix_moves_to_the_domain_whose_groups_carry_signal_unless_switched_off(
+def test_the_mix_moves_to_the_domain_whose_groups_pass_and_fail_unless_switched_off(
     creds, run_name, tmp_path, floor, docqa_range
 ):
-    """Equal weights; the learner finds signal in every math group and in no docqa group."""
+    """Equal weights. Every math group has a pass and a fail; every docqa group gets
+    partial credit (0.5 and 0.2), never a pass: the learner finds signal in both, so both
+    count as signal for the budget, but only math sits on the frontier pass@1 measures."""
     cfg = config(tmp_path, domains={"math": 1.0, "docqa": 1.0}, group_size=2, max_in_flight=4,
                  groups_per_version=1000, signal_share_floor=floor)
 
     async def main():
         async with open_bus(creds) as bus, scheduler(creds, run_name, cfg):
-            async def decide(task):
-                signal = task.domain == "math"
-                await publish_decision(bus, run_name, task, m.Fate.TRAINED if signal else
-                                       m.Fate.NO_SIGNAL, signal=signal)
+            async def score_and_decide(task):
+                rewards = [1.0, 0.0] if task.domain == "math" else [0.5, 0.2]
+                await publish_scored(bus, run_name, scored_group(task, rewards))
+                await publish_decision(bus, run_name, task, m.Fate.TRAINED, signal=True)
 
             return await TaskWatcher(bus, run_name).until(lambda ts: len(ts) >= 400,
-                                                          on_task=decide, timeout_s=60)
+                                                          on_task=score_and_decide,
+                                                          timeout_s=60)
 
     late = Counter(t.domain for t in trio.run(main)[200:400])
     assert docqa_range[0] <= late["docqa"] <= docqa_range[1], late
     rates = load_state(tmp_path / "state.json").counters
-    assert rates["math"].signal_rate > 0.99 and rates["docqa"].signal_rate < 0.1
+    assert rates["math"].signal_rate > 0.99 and rates["docqa"].signal_rate > 0.9
+    assert rates["math"].pass_signal_rate > 0.99 and rates["docqa"].pass_signal_rate < 0.1
 
 
 @pytest.mark.parametrize("docqa_samples, docqa_rate, docqa_range", [

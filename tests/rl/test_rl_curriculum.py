@@ -15,6 +15,7 @@ from reinforge.rl.curriculum import (
     TaskRecord,
     draw_domain,
     group_has_signal,
+    group_straddles_pass,
     informative_probability,
     issue_budget,
     mix_probabilities,
@@ -306,6 +307,12 @@ def test_the_prior_signal_rate_is_the_starts_pass_rate_at_the_level_or_a_half():
     assert prior_signal_rate([0.9, 0.5], 1, 4) == pytest.approx(1 - 2 / 16)
     assert prior_signal_rate([0.9], 1, 4) == 0.5  # the level's tier was not measured
     assert prior_signal_rate([], 0, 4) == 0.5
+
+
+def test_a_group_straddles_pass_only_with_a_pass_and_a_non_pass():
+    assert group_straddles_pass(1, 4) and group_straddles_pass(3, 4)
+    assert not group_straddles_pass(0, 4)  # all failed, however their partial credit differs
+    assert not group_straddles_pass(4, 4) and not group_straddles_pass(0, 0)
 
 
 def test_a_start_pass_rate_measured_on_few_samples_is_read_as_uncertain():
