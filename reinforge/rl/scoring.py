@@ -194,7 +194,8 @@ def paired_change(before: Mapping[str, float], after: Mapping[str, float]) -> Ch
     if n == 0:
         return Change(delta=0.0, ci95=(0.0, 0.0), n_tasks=0)
     delta = sum(diffs) / n
-    half = 1.96 * statistics.stdev(diffs) / math.sqrt(n) if n > 1 else float("inf")
+    # one task gives no sample sd: take the largest a difference in [-1, 1] can have, 1
+    half = 1.96 * (statistics.stdev(diffs) / math.sqrt(n) if n > 1 else 1.0)
     return Change(delta=delta, ci95=(delta - half, delta + half), n_tasks=n)
 
 

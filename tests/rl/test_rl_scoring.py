@@ -60,6 +60,16 @@ def test_a_paired_change_of_pass_at_1_has_its_interval_computed_by_hand():
     assert paired_change({"a": 0.0}, {"b": 1.0}).n_tasks == 0
 
 
+def test_a_change_on_one_task_takes_the_largest_sd_a_change_can_have_and_stays_finite():
+    # one difference of a pass rate cannot give a sample sd: the sd of a value in [-1, 1]
+    # is at most 1, so the interval is delta +- 1.96, and a mean over domains stays finite
+    one = paired_change({"a": 0.0}, {"a": 1.0})
+    assert one.ci95 == pytest.approx((1 - 1.96, 1 + 1.96))
+    m = mean_change([one, Change(delta=0.0, ci95=(-0.392, 0.392), n_tasks=20)])
+    half = 1.96 * (1.0 + 0.04) ** 0.5 / 2
+    assert m.ci95 == pytest.approx((0.5 - half, 0.5 + half))
+
+
 def test_the_mean_of_per_domain_changes_adds_their_variances():
     # se 0.1 and 0.2 (half-widths 0.196, 0.392): mean se = sqrt(.01 + .04) / 2
     m = mean_change([Change(delta=0.2, ci95=(0.2 - 0.196, 0.2 + 0.196), n_tasks=10),
