@@ -91,6 +91,11 @@ version (mostly those that can fall: `EvaluatorConfig.zero_share`), and rolls ba
 the test on the counts finds at p < 0.05. The final evaluation once read binary_alternation's
 6 of 32 passes falling to 0 of 32: p = 0.01, which the evaluator's default 0.01 does not
 count."""
+SUITE_GUARD_FALLS_BEFORE_ROLLBACK = 2
+"""A fall rolls the suite back only when the next check of the domain finds it too: one run
+rolled back twice for a fall of count_bits (4 tasks worse, p = 0.04) that was a gain of
+0.156 by its end. The three runs with rollbacks ended at +0.010 to +0.029, the four
+without at +0.029 to +0.044."""
 SUITE_ADVANTAGE_SCALE_FLOOR = 0.25
 """The suite's learner divides a group's centred rewards by at least this
 (`LearnerConfig.advantage_scale_floor`). Many families score a wrong answer a little (aiw
@@ -464,7 +469,8 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
     rm = f", reward_model = {json.dumps(reward_model)}" if reward_model else ""
     guard_tasks = guard_tasks_per_tier(reward_model, suite)
     guard_extra = (f", samples = {RM_GUARD_SAMPLES}" if reward_model else "") + (
-        f", samples = {SUITE_GUARD_SAMPLES}, drop_alpha = {SUITE_GUARD_DROP_ALPHA}"
+        f", samples = {SUITE_GUARD_SAMPLES}, drop_alpha = {SUITE_GUARD_DROP_ALPHA}, "
+        f"falls_before_rollback = {SUITE_GUARD_FALLS_BEFORE_ROLLBACK}"
         if gym else "") + (
         f", start_scores = {json.dumps(str(start_scores))}" if start_scores else "")
     evaluator = "" if guard is None else f"""
