@@ -512,7 +512,9 @@ class Scheduler(Actor):
         if rewards and tally.domain in self.curricula:
             curriculum = self.curricula[tally.domain]
             if 0 <= tally.tier < curriculum.state.n_tiers:
-                move = curriculum.record(tally.tier, sum(rewards) / len(rewards))
+                # passes, not mean reward: partial credit (coin_flip's 0.64 at a pass rate of
+                # 0.09) took a family up three tiers it could not pass
+                move = curriculum.record(tally.tier, tally.passes / len(rewards))
                 if move:
                     say(f"domain {tally.domain} moves {'up' if move > 0 else 'down'} to tier "
                         f"{curriculum.level}")

@@ -236,7 +236,7 @@ class TaskDraw:
             judged=self.pass_judged[name])
         self.pass_judged[name] += 1
         self.mix = self._mix()
-        self.curricula[name].record(tier, sum(rewards) / len(rewards))
+        self.curricula[name].record(tier, scored.count(Outcome.PASS) / max(1, len(scored)))
 
 
 class PolicyLearner:

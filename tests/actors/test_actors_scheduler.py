@@ -134,34 +134,62 @@ def test_mixing_weights_are_honoured_when_tasks_are_issued(creds, run_name, tmp_
     trio.run(main)
 
 
+def one_domain_curriculum(tmp_path):
+    """Math alone, its curriculum moving on windows of 2 groups, no exploring."""
+    return config(tmp_path, domains={"math": 1.0}, group_size=2, max_in_flight=2,
+                  groups_per_version=100,
+                  curriculum=CurriculumConfig(min_groups=2, window_groups=2, explore=0.0))
+
+
+@asynccontextmanager
+async def answering(bus, run_name, rewards):
+    """A fake sampler+verifier: each task issued is scored `rewards(task)` at once."""
+    watcher = TaskWatcher(bus, run_name)
+
+    async def answer(task):
+        await publish_scored(bus, run_name, scored_group(task, rewards(task)))
+
+    async with trio.open_nursery() as pipeline:
+        pipeline.start_soon(functools.partial(
+            watcher.until, lambda ts: False, timeout_s=60, on_task=answer))
+        yield watcher
+        pipeline.cancel_scope.cancel()
+
+
 def test_the_curriculum_moves_up_on_all_pass_groups_and_down_on_all_fail_ones(
     creds, run_name, tmp_path
 ):
-    cfg = config(tmp_path, domains={"math": 1.0}, group_size=2, max_in_flight=2,
-                 groups_per_version=100,
-                 curriculum=CurriculumConfig(min_groups=2, window_groups=2, explore=0.0))
+    cfg = one_domain_curriculum(tmp_path)
     state_path = tmp_path / "state.json"
 
     async def main():
-        async with open_bus(creds) as bus, scheduler(creds, run_name, cfg):
-            reward = [1.0]
-
-            async def answer(task):
-                await publish_scored(bus, run_name, scored_group(task, [reward[0]] * 2))
-
-            watcher = TaskWatcher(bus, run_name)
-            async with trio.open_nursery() as pipeline:  # a fake sampler+verifier
-                pipeline.start_soon(functools.partial(
-                    watcher.until, lambda ts: False, timeout_s=60, on_task=answer))
-                st = await wait_state(state_path, lambda s: s.curricula["math"].level >= 1)
-                assert st.curricula["math"].windows[0] == [1.0, 1.0]
-                await wait_until(lambda: any(t.tier >= 1 for t in watcher.tasks))
-                reward[0] = 0.0
-                st = await wait_state(state_path, lambda s: s.curricula["math"].moves >= 2
-                                      and s.curricula["math"].level == 0)
-                pipeline.cancel_scope.cancel()
+        reward = [1.0]
+        async with open_bus(creds) as bus, scheduler(creds, run_name, cfg), \
+                answering(bus, run_name, lambda task: [reward[0]] * 2) as watcher:
+            st = await wait_state(state_path, lambda s: s.curricula["math"].level >= 1)
+            assert st.curricula["math"].windows[0] == [1.0, 1.0]
+            await wait_until(lambda: any(t.tier >= 1 for t in watcher.tasks))
+            reward[0] = 0.0
+            await wait_state(state_path, lambda s: s.curricula["math"].moves >= 2
+                             and s.curricula["math"].level == 0)
 
     trio.run(main)
+
+
+def test_the_curriculum_reads_passes_not_partial_credit(creds, run_name, tmp_path):
+    """Groups of 0.9 and 0.8 (a family's partial credit for wrong answers) pass nothing:
+    the tier's window holds pass rates of 0, and the curriculum stays where it is."""
+    cfg = one_domain_curriculum(tmp_path)
+
+    async def main():
+        async with open_bus(creds) as bus, scheduler(creds, run_name, cfg), \
+                answering(bus, run_name, lambda task: [0.9, 0.8]):
+            return await wait_state(tmp_path / "state.json",
+                                    lambda s: s.counters["math"].groups >= 4)
+
+    st = trio.run(main)
+    assert st.curricula["math"].windows[0] == [0.0, 0.0]
+    assert st.curricula["math"].level == 0 and st.curricula["math"].moves == 0
 
 
 def test_a_domain_given_its_starting_pass_rates_is_issued_at_the_first_unsolved_tier(
