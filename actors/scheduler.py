@@ -255,6 +255,7 @@ class DomainCounters(msgspec.Struct, kw_only=True):
     (`group_straddles_pass`), from the same prior: the mix's measure of the frontier.
     Below `signal_rate` where partial credit makes rewards differ without a pass."""
     pass_judged: int = 0
+    """Groups in `pass_signal_rate`."""
     late_groups: int = 0
     stale_groups: int = 0
     """Groups the learner dropped as too stale."""
@@ -637,8 +638,7 @@ class Scheduler(Actor):
 
     def probabilities(self, eligible: set[str]) -> dict[str, float]:
         cfg: SchedulerConfig = self.config
-        boosts = {d: floored_signal_rate(self.state.counters.get(d, DomainCounters())
-                                         .pass_signal_rate, cfg.signal_share_floor)
+        boosts = {d: floored_signal_rate(self._pass_signal_rate(d), cfg.signal_share_floor)
                   for d in eligible}
         for d, p in self.state.eval_pass_at_1.items():
             if d in boosts and d in cfg.min_pass_at_1 and p < cfg.min_pass_at_1[d]:
@@ -655,6 +655,10 @@ class Scheduler(Actor):
     def _raw_signal_rate(self, domain: str) -> float:
         c = self.state.counters.get(domain)
         return c.signal_rate if c is not None else DomainCounters().signal_rate
+
+    def _pass_signal_rate(self, domain: str) -> float:
+        c = self.state.counters.get(domain)
+        return c.pass_signal_rate if c is not None else DomainCounters().pass_signal_rate
 
     def signal_rate(self, domain: str) -> float:
         return floored_signal_rate(self._raw_signal_rate(domain), self.config.min_signal_rate)
