@@ -214,9 +214,10 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             raise ValueError(f"EvaluatorConfig: need 1 <= k <= samples, got k={self.k}, "
                              f"samples={n}")
         if self.every_versions < 1 or self.concurrency < 1 or self.skip_per_tier < 0 or \
-                self.max_rollbacks_per_domain < 0:
-            raise ValueError("EvaluatorConfig: every_versions and concurrency must be >= 1, "
-                             "skip_per_tier and max_rollbacks_per_domain >= 0")
+                self.max_rollbacks_per_domain < 0 or self.falls_before_rollback < 1:
+            raise ValueError("EvaluatorConfig: every_versions, concurrency and "
+                             "falls_before_rollback must be >= 1, skip_per_tier and "
+                             "max_rollbacks_per_domain >= 0")
         if not (0.0 <= self.drop_alpha < 1.0 and 0.0 <= self.gold_alpha < 1.0) or \
                 self.drop_margin < 0 or self.domains_per_version < 0 or \
                 not 0.0 <= self.zero_share <= 1.0:
@@ -466,12 +467,15 @@ def regression_rollback(
     )
 
 
-def falls_waiting(seen: Mapping[str, int], checked: Collection[str], fell: Collection[str],
-                  spent: Collection[str], needed: int) -> tuple[list[str], dict[str, int]]:
+def falls_waiting(seen: Mapping[str, int], scores: Mapping[str, DomainScore],
+                  fell: Collection[str], spent: Collection[str],
+                  needed: int) -> tuple[list[str], dict[str, int]]:
     """(the domains whose fall waits for more checks before a rollback, the checks in a row
-    that found each fall so far). A domain checked without a fall starts its count again;
-    one that fell waits while this check and those before it number fewer than `needed`
-    (a spent domain never causes a rollback anyway)."""
+    that found each fall so far). A domain scored on verified tasks without a fall starts
+    its count again (one without any was not judged); one that fell waits while this check
+    and those before it number fewer than `needed` (a spent domain never causes a rollback
+    anyway)."""
+    checked = {d for d, s in scores.items() if s.n_tasks}
     counts = {d: n for d, n in seen.items() if d not in checked or d in fell}
     waiting = [d for d in fell if d not in spent and counts.get(d, 0) + 1 < needed]
     for d in waiting:

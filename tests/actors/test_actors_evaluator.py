@@ -1001,23 +1001,29 @@ def test_a_fall_waits_for_the_checks_in_a_row_that_must_find_it():
     check no longer finds causes none; one it finds again does."""
     from reinforge.actors.evaluator import falls_waiting
 
+    def checks(*names):  # scores of these domains, on verified tasks
+        return {d: _scored([1.0, 0.0]) for d in names}
+
     # needed 1: every fall acts at once, as before
-    assert falls_waiting({}, {"a", "b"}, ["a"], set(), 1) == ([], {})
+    assert falls_waiting({}, checks("a", "b"), ["a"], set(), 1) == ([], {})
     # needed 2: the first check that finds it waits ...
-    waiting, seen = falls_waiting({}, {"a", "b"}, ["a"], set(), 2)
+    waiting, seen = falls_waiting({}, checks("a", "b"), ["a"], set(), 2)
     assert (waiting, seen) == (["a"], {"a": 1})
     # ... a check of other domains keeps the count; one that finds it again acts
-    assert falls_waiting(seen, {"b"}, [], set(), 2) == ([], {"a": 1})
-    assert falls_waiting(seen, {"a"}, ["a"], set(), 2) == ([], {"a": 1})
-    # a check without the fall starts the count again
-    assert falls_waiting(seen, {"a"}, [], set(), 2) == ([], {})
+    assert falls_waiting(seen, checks("b"), [], set(), 2) == ([], {"a": 1})
+    assert falls_waiting(seen, checks("a"), ["a"], set(), 2) == ([], {"a": 1})
+    # a check without the fall starts the count again; one without verified tasks does not
+    assert falls_waiting(seen, checks("a"), [], set(), 2) == ([], {})
+    assert falls_waiting(seen, {"a": _scored([])}, [], set(), 2) == ([], {"a": 1})
     # a spent domain never waits (it causes no rollback)
-    assert falls_waiting({}, {"a"}, ["a"], {"a"}, 2) == ([], {})
+    assert falls_waiting({}, checks("a"), ["a"], {"a"}, 2) == ([], {})
     # three in a row
-    w1, s1 = falls_waiting({}, {"a"}, ["a"], set(), 3)
-    w2, s2 = falls_waiting(s1, {"a"}, ["a"], set(), 3)
+    w1, s1 = falls_waiting({}, checks("a"), ["a"], set(), 3)
+    w2, s2 = falls_waiting(s1, checks("a"), ["a"], set(), 3)
     assert (w1, w2, s2) == (["a"], ["a"], {"a": 2})
-    assert falls_waiting(s2, {"a"}, ["a"], set(), 3)[0] == []
+    assert falls_waiting(s2, checks("a"), ["a"], set(), 3)[0] == []
+    with pytest.raises(ValueError, match="falls_before_rollback must be >= 1"):
+        EvaluatorConfig(domains=["math"], falls_before_rollback=0)
 
 
 def test_a_domain_a_rollback_was_for_is_evaluated_at_every_version_after():
