@@ -40,11 +40,13 @@ def test_a_short_demo_advances_versions_scores_every_domain_and_writes_the_repor
     # every tier held out (math has 5, code and docqa 4; 2 tasks each), compared pairwise
     assert {d: c["n_tasks"] for d, c in result["changes_all_tiers"].items()} == \
         {"math": 10, "code": 8, "docqa": 8}
-    # the headline compares the tiers the run trained, in every domain it trained: math and
-    # code always have groups with signal; docqa may have none (the tiny policy passed 0 of
-    # 1064 docqa samples in one CI run), so it is trained in some runs and not in others
+    # the headline compares the tiers the run trained, in every domain it trained: math
+    # always has groups with signal. Code and docqa may have none: the tiny policy passed 0
+    # of 1064 docqa samples in one CI run, and in another 383 of 664 code samples, but every
+    # one of its 166 code groups all passed or all failed (it answers each task one way), so
+    # GRPO had nothing to train on there either
     trained = set(result["trained_groups"])
-    assert {"math", "code"} <= trained <= {"math", "code", "docqa"}
+    assert {"math"} <= trained <= {"math", "code", "docqa"}
     assert set(result["changes"]) == set(result["trained_tiers"]) == trained
     for d, change in result["changes"].items():
         assert change["n_tasks"] == 2 * len(result["trained_tiers"][d])
@@ -55,8 +57,8 @@ def test_a_short_demo_advances_versions_scores_every_domain_and_writes_the_repor
     assert lo <= result["improvement"] <= hi
     # the answer prior of every trained domain verified in-process (code's is in a sandbox)
     assert set(result["answer_prior"]) == trained
-    assert "prior_pass_at_1" in result["answer_prior"]["math"]
-    assert "prior_pass_at_1" not in result["answer_prior"]["code"]
+    assert {d for d in trained if "prior_pass_at_1" in result["answer_prior"][d]} == \
+        trained - {"code"}
     assert result["improvement_beyond_prior"]["n_tasks"] == \
         sum(c["n_tasks"] for c in result["changes"].values())
     # the forgetting guard ran inside the run, and the learner reported the mismatch
