@@ -109,6 +109,13 @@ default). About 65 of the 86 families are out of the tiny policy's reach at the 
 families that never passed and never gave a trained group took 42 % of a suite run's
 samples at 0.1 (with the old, slow signal rate) and 15 % at 0.02, which still probes each
 a few times a run."""
+SUITE_GROUPS_PER_VERSION = 4
+"""Groups with signal a learner step takes in the suite (the tiny policy's default is 2). At
+2 the suite's learner waited on groups (0.25 s of compute a step, 1.4 s of wait) while its
+sampler held new generations for weights swaps 134 to 177 s of a 428 s run (166 to 202
+swaps, each waiting for the generations running to finish). Three runs at 2 trained 330 to
+416 groups and dropped 63 to 135 as stale; two at 4 trained 424 and 524, dropped 10 each,
+and held generations 84 and 103 s."""
 SUITE_FALL_ALPHA = 0.05
 """A domain's fall counts as real in the suite's summary when the test on the counts
 (`scoring.drop_test`) gives p below this: two evaluations of one checkpoint with two sampling
@@ -132,7 +139,7 @@ def made_here(model: str) -> bool:
 
 def with_policy_defaults(args: argparse.Namespace) -> argparse.Namespace:
     """`args` with each policy-dependent setting left unset (None) at its default for
-    `--model`: a tiny policy made here from scratch, or a pretrained one."""
+    `--model`: a tiny policy made here from scratch, or a pretrained one; and `--suite`'s."""
     tiny = made_here(getattr(args, "model", DEFAULT_MODEL))
     defaults = {
         "minutes": (TINY_MINUTES, PRETRAINED_MINUTES),
@@ -142,6 +149,8 @@ def with_policy_defaults(args: argparse.Namespace) -> argparse.Namespace:
     }
     unset = {k: v[0] if tiny else v[1] for k, v in defaults.items()
              if getattr(args, k, None) is None}
+    if getattr(args, "suite", "") == "gym" and getattr(args, "groups_per_version", None) is None:
+        unset["groups_per_version"] = SUITE_GROUPS_PER_VERSION
     if getattr(args, "guard_every", None) is None:
         unset["guard_every"] = RM_GUARD_EVERY if getattr(args, "suite", "") == "rm" else 25
     return argparse.Namespace(**{**vars(args), **unset})
@@ -172,7 +181,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--groups-per-version", type=int, default=None,
                    help="groups with signal per learner step (one step = one version; default "
                         f"{PRETRAINED_GROUPS_PER_VERSION}; {TINY_GROUPS_PER_VERSION} with "
-                        "--model tiny or wide)")
+                        f"--model tiny or wide, {SUITE_GROUPS_PER_VERSION} with --suite gym)")
     p.add_argument("--eval-k", type=int, default=None, help="pass@k's k (default 4; 2 with "
                    "--suite)")
     p.add_argument("--eval-samples", type=int, default=None,

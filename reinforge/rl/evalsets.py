@@ -39,6 +39,11 @@ from reinforge.envs.domain import TaskSpec, templated_prompts
 
 _TOKEN_RE = re.compile(r"\w+|[^\w\s]+")
 
+HELDOUT_RULES = 1
+"""Part of a kept held-out set's key, with its domain's `generator_version`: raised when
+`generate_heldout` draws or keeps tasks by another rule (how many draws, when a small bank
+keeps half), so no set made by an old rule is read back."""
+
 
 class HeldOutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Which tasks are held out for evaluation (the scheduler and evaluator must agree)."""
@@ -114,8 +119,8 @@ def build_heldout(
         if version is None:
             out[name] = generate_heldout(name, domain, tiers, config)
             continue
-        key = json.dumps([name, tiers, config.tasks_per_tier, config.seed, version,
-                          TaskSpec.__struct_fields__])
+        key = json.dumps([HELDOUT_RULES, name, tiers, config.tasks_per_tier, config.seed,
+                          version, TaskSpec.__struct_fields__])
         kept = (cache or paths.home() / "cache" / "heldout") / (
             f"{name}-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json")
         try:

@@ -421,6 +421,29 @@ def test_the_suites_scheduler_probes_domains_without_signal_at_a_lower_floor(tmp
     assert scheduler(0).signal_share_floor == SchedulerConfig().signal_share_floor == 0.1
 
 
+def test_the_suites_learner_steps_take_four_groups_unless_told(tmp_path):
+    """The suite's sampler held new generations for a weights swap after every 2 groups;
+    a step of 4 halves the swaps."""
+    import argparse
+
+    from reinforge.cli import demo
+    from reinforge.core.cluster import load_cluster_config
+
+    parser = argparse.ArgumentParser(prog="reinforge")
+    demo.register(parser.add_subparsers(dest="command"))
+
+    def groups_per_version(*argv):
+        config = tmp_path / "demo.toml"
+        config.write_text(demo.cluster_config(
+            "f", tmp_path, tmp_path / "sft", ["gym-gcd"], parser.parse_args(["demo", *argv])))
+        return load_cluster_config(config).run.groups_per_version
+
+    tiny = ("--model", "tiny")
+    assert groups_per_version(*tiny, "--suite", "gym") == demo.SUITE_GROUPS_PER_VERSION == 4
+    assert groups_per_version(*tiny, "--suite", "gym", "--groups-per-version", "3") == 3
+    assert groups_per_version(*tiny) == demo.TINY_GROUPS_PER_VERSION == 2
+
+
 def test_the_guards_floors_are_written_exactly_and_the_suite_has_none(tmp_path):
     """A floor of 3/32 written as 0.0938 rolled back a version scoring exactly 3/32."""
     import argparse

@@ -94,3 +94,19 @@ def test_a_versioned_generators_held_out_set_is_drawn_once_and_read_back_the_sam
     registry.attach(plain, name="fam")
     assert build_heldout(registry, ["fam"], config, cache=tmp_path / "none")["fam"] == made
     assert plain.draws == 6 and not (tmp_path / "none").exists()  # unversioned: not kept
+
+
+def test_a_held_out_set_kept_under_older_rules_is_drawn_again(tmp_path, monkeypatch):
+    """The key held the generator's version but not the rules that draw from it: a change
+    to how a small bank is split would have read back sets split the old way."""
+    from reinforge.rl import evalsets
+
+    registry = DomainRegistry()
+    config = HeldOutConfig(tasks_per_tier=3)
+    registry.attach(CountingFakeDomain("fam", "v1"))
+    build_heldout(registry, ["fam"], config, cache=tmp_path)
+    monkeypatch.setattr(evalsets, "HELDOUT_RULES", evalsets.HELDOUT_RULES + 1)
+    later = CountingFakeDomain("fam", "v1")
+    registry.attach(later, name="fam")
+    build_heldout(registry, ["fam"], config, cache=tmp_path)
+    assert later.draws == 6 and len(list(tmp_path.iterdir())) == 2
