@@ -277,11 +277,13 @@ async def evaluate_sets(
     samples: int,
     k: int,
     concurrency: int = 4,
+    samples_by_domain: Mapping[str, int] | None = None,
 ) -> dict[str, DomainScore]:
-    """Generate `samples` completions per task, verify each with its domain, score.
+    """Generate `samples` completions per task (a domain in `samples_by_domain`: its own
+    count), verify each with its domain, score.
 
     A task the server refuses (4xx: e.g. its prompt is longer than the model's context)
-    counts as `samples` failures and is reported in `rejected_tasks`."""
+    counts as its samples' failures and is reported in `rejected_tasks`."""
     from reinforge.rollout.client import RolloutRequestError
     from reinforge.core.bus import collapse_single_exception
 
@@ -294,12 +296,13 @@ async def evaluate_sets(
     episodes: dict[str, list[tuple[int, int, int]]] = {d: [] for d in sets}
 
     async def one(name: str, i: int, task: TaskSpec) -> None:
+        n = (samples_by_domain or {}).get(name, samples)
         async with limiter:
             try:
-                completions = await source.complete(task, samples, domains[name])
+                completions = await source.complete(task, n, domains[name])
             except RolloutRequestError:
                 rejected[name] += 1
-                results[name][i] = [False] * samples
+                results[name][i] = [False] * n
                 return
             tools = domain_tools(domains[name])
             if tools:

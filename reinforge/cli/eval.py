@@ -4,9 +4,10 @@ offline (no bus).
     reinforge eval --model DIR --domains math,docqa --k 4 [--samples 8] [--json]
 
 Starts the embedded rollout server on the checkpoint (a free port; or uses `--url`),
-generates `samples` completions per held-out task in one request, verifies them locally
-with the domains, and prints one line per domain; with `--json` the table goes to stderr
-and stdout is one JSON object (the last line). The held-out sets are the evaluator actor's
+generates `samples` completions per held-out task in one request (`--domain-samples D=N`:
+a domain's own count), verifies them locally with the domains, and prints one line per
+domain; with `--json` the table goes to stderr and stdout is one JSON object (the last
+line). The held-out sets are the evaluator actor's
 (`--seed`, `--tasks-per-tier`, `--heldout-file`, `--review-set`), and `--train-file` runs the
 same contamination check first (exit 2 when it finds overlap). Code and terminal domains run
 their checks in the Podman sandbox pool. Each task's samples are drawn with a seed made from
@@ -44,6 +45,9 @@ def register(subparsers: Any) -> None:
                    help="skip the constant answer's scores (prior_pass_at_1): they do not "
                         "depend on the model, and cost a task draw and a check per task")
     p.add_argument("--samples", type=int, default=0, help="completions per task (default: k)")
+    p.add_argument("--domain-samples", action="append", default=[], metavar="DOMAIN=N",
+                   help="completions per task of one domain instead of --samples "
+                        "(repeatable): more where a change must be measured finely")
     p.add_argument("--tasks-per-tier", type=int, default=4, help="held-out tasks per tier")
     p.add_argument("--skip-per-tier", type=int, default=0, metavar="N",
                    help="leave each tier's first N held-out tasks unscored (the held-out set "
@@ -101,6 +105,22 @@ def _pairs(items: list[str], flag: str) -> dict[str, str]:
     return out
 
 
+def _domain_samples(items: list[str], k: int) -> dict[str, int]:
+    from reinforge.cli import UserError
+
+    out = {}
+    for item in items:
+        name, sep, count = item.partition("=")
+        try:
+            n = int(count) if sep and name else 0
+        except ValueError:
+            n = 0
+        if n < max(1, k):
+            raise UserError(f"--domain-samples {item!r}: expected DOMAIN=N with N >= k ({k})")
+        out[name] = n
+    return out
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     import trio
     from reinforge.rl.evalsets import HeldOutConfig
@@ -115,6 +135,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise UserError("--skip-per-tier and --score-per-tier must be >= 0")
     if args.k < 1 or samples < args.k:
         raise UserError(f"--k {args.k} needs --samples >= k (got {samples})")
+    samples_by_domain = _domain_samples(args.domain_samples, args.k)
     if not args.model and not args.url:
         raise UserError("give --model DIR (a Hugging Face-format checkpoint) or --url")
     if args.model and not (Path(args.model) / "config.json").is_file():
@@ -128,10 +149,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    return trio.run(_eval, args, domains, samples, heldout)
+    return trio.run(_eval, args, domains, samples, heldout, samples_by_domain)
 
 
-async def _eval(args: argparse.Namespace, domains: list[str], samples: int, heldout: Any) -> int:
+async def _eval(args: argparse.Namespace, domains: list[str], samples: int, heldout: Any,
+                samples_by_domain: dict[str, int]) -> int:
     import trio
     from reinforge.rl.evalsets import build_heldout, check_contamination, exact_only_ids
     from reinforge.actors.evaluator import (
@@ -155,6 +177,9 @@ async def _eval(args: argparse.Namespace, domains: list[str], samples: int, held
         attach_reward_model(registry, args.reward_model)
     try:
         domains = registry.resolve(domains, where="--domains")
+        if unknown := sorted(set(samples_by_domain) - set(domains)):
+            raise ValueError(f"--domain-samples names {', '.join(unknown)}, not among the "
+                             f"domains evaluated")
         doms = {d: registry.get(d) for d in domains}
         sets = first_per_tier(build_heldout(registry, domains, heldout), args.score_per_tier,
                               args.skip_per_tier, heldout.tasks_per_tier)
@@ -187,7 +212,8 @@ async def _eval(args: argparse.Namespace, domains: list[str], samples: int, held
                                   seed=args.sampling_seed)
             t0 = time.monotonic()
             scores = await _with_sandbox(args, doms, lambda ds: evaluate_sets(
-                sets, ds, source, samples=samples, k=args.k, concurrency=args.concurrency))
+                sets, ds, source, samples=samples, k=args.k, concurrency=args.concurrency,
+                samples_by_domain=samples_by_domain))
             took_s = time.monotonic() - t0
     except RolloutServerUnavailable as exc:
         raise UserError(f"rollout server: {exc}") from None

@@ -485,6 +485,33 @@ def test_the_suite_evaluates_many_tasks_of_few_samples():
         demo.eval_sizes(parser.parse_args(["demo", "--eval-samples", "2"]), ["math"])
 
 
+def test_the_suite_measures_finely_the_domains_its_start_passes_something_of(monkeypatch):
+    """Chosen on the guard's tasks; both evaluations the run reports ask for those counts.
+    (`reinforge eval` itself is replaced: a unit test of the arguments the demo builds.)"""
+    import types
+
+    from reinforge.cli import demo
+
+    start = {"domains": {"gym-gcd": {"pass_at_1": 0.0625}, "gym-ab": {"pass_at_1": 0.0},
+                         "gym-aiw": {"pass_at_1": 0.5}}}
+    stake = demo.stake_samples("gym", start)
+    assert stake == {"gym-aiw": demo.SUITE_STAKE_SAMPLES, "gym-gcd": demo.SUITE_STAKE_SAMPLES}
+    assert demo.SUITE_STAKE_SAMPLES == 8 and demo.stake_samples("", start) == {}
+    asked = []
+
+    def fake_reinforge(*argv, capture=False, timeout_s=None):
+        asked.append(argv)
+        return types.SimpleNamespace(returncode=0, stdout='{"domains": {}}', stderr="")
+
+    monkeypatch.setattr(demo, "reinforge", fake_reinforge)
+    demo.evaluate(Path("/m"), ["gym-ab", "gym-aiw", "gym-gcd"], 2, 16, [0], samples=2,
+                  domain_samples=stake)
+    argv = list(asked[0])
+    assert argv[argv.index("--samples") + 1] == "2"
+    assert [a for a in argv if a.startswith("--domain-samples")] == [
+        "--domain-samples=gym-aiw=8", "--domain-samples=gym-gcd=8"]
+
+
 def test_the_demo_hands_its_evaluation_of_the_start_to_the_guard(tmp_path):
     import argparse
 

@@ -85,6 +85,17 @@ def test_evaluate_sets_verifies_every_sample_with_its_domain():
     assert (bad.pass_at_1, bad.pass_at_k) == (0.0, 0.0)
 
 
+def test_a_domain_given_its_own_sample_count_is_sampled_that_many_times_a_task():
+    reg = DomainRegistry.default()
+    sets = build_heldout(reg, ["math", "gym-gcd"], HeldOutConfig(tasks_per_tier=2, tiers=[0]))
+    doms = {d: reg.get(d) for d in sets}
+    scores = trio.run(functools.partial(evaluate_sets, sets, doms, Scripted(True), samples=2,
+                                        k=2, samples_by_domain={"gym-gcd": 8}))
+    assert {d: {tuple(c) for c in s.task_counts.values()} for d, s in scores.items()} == {
+        "math": {(2, 2)}, "gym-gcd": {(8, 8)}}
+    assert (scores["math"].samples, scores["gym-gcd"].samples) == (2, 8)
+
+
 def test_a_policy_giving_one_answer_to_every_task_scores_a_modal_share_of_one():
     reg = DomainRegistry.default()
     sets = build_heldout(reg, ["math"], HELD)
@@ -526,6 +537,15 @@ def test_reinforge_eval_rejects_k_larger_than_samples_and_a_missing_model(tmp_pa
     with pytest.raises(UserError, match="no config.json"):
         args = parser.parse_args(["eval", "--model", str(tmp_path / "nope")])
         args.func(args)
+    (tmp_path / "config.json").write_text("{}")
+    for given, error in (("math", "expected DOMAIN=N with N >= k"),
+                         ("math=1", "expected DOMAIN=N with N >= k"),
+                         ("math=eight", "expected DOMAIN=N with N >= k"),
+                         ("code=8", "--domain-samples names code, not among the domains")):
+        with pytest.raises(UserError, match=error):
+            args = parser.parse_args(["eval", "--model", str(tmp_path), "--k", "2",
+                                      "--domains", "math", "--domain-samples", given])
+            args.func(args)
 
 
 def eval_args(*argv: str) -> argparse.Namespace:
@@ -538,16 +558,17 @@ def eval_args(*argv: str) -> argparse.Namespace:
 @pytest.mark.slow
 def test_reinforge_eval_scores_a_hugging_face_checkpoint_offline(tiny_model_dir, capsys):
     args = eval_args("--model", str(tiny_model_dir), "--domains", "math,judge", "--k", "2",
-                     "--samples", "3", "--tasks-per-tier", "1", "--max-new-tokens", "8", "--json")
+                     "--samples", "3", "--domain-samples", "judge=4", "--tasks-per-tier", "1",
+                     "--max-new-tokens", "8", "--json")
     assert args.func(args) == 0
     out = capsys.readouterr()
     result = json.loads(out.out.strip().splitlines()[-1])
     assert result["k"] == 2 and result["samples"] == 3
-    for d, n_tiers in (("math", 5), ("judge", 4)):
+    for d, n_tiers, samples in (("math", 5, 3), ("judge", 4, 4)):
         s = result["domains"][d]
         assert s["n_tasks"] == n_tiers  # one held-out task per tier, every one answered
         assert 0.0 <= s["pass_at_1"] <= s["pass_at_k"] <= 1.0
-        assert len(s["run_pass_rates"]) == 3
+        assert s["samples"] == len(s["run_pass_rates"]) == samples
         assert s["infra_errors"] == 0
         assert 0.0 < s["answer_mode_share"] <= 1.0
     assert set(result["domains"]["math"]["prior_task_pass"]) == \
