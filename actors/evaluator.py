@@ -119,6 +119,10 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """pass@k's k."""
     samples: int = 0
     """Completions per task (0: k); must be >= k."""
+    domain_samples: dict[str, int] = {}
+    """Completions per task of these domains instead of `samples` (each >= k): more where a
+    fall must be seen on few tasks. Their baselines in `start_scores` should be counted
+    the same way: the test on the counts weighs every sample of both sides."""
     heldout: HeldOutConfig = HeldOutConfig()
     """The held-out sets; `[run]` (the scheduler never trains on them)."""
     score_per_tier: int = 0
@@ -213,6 +217,9 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         if self.k < 1 or n < self.k:
             raise ValueError(f"EvaluatorConfig: need 1 <= k <= samples, got k={self.k}, "
                              f"samples={n}")
+        if few := {d: c for d, c in self.domain_samples.items() if c < self.k}:
+            raise ValueError(f"EvaluatorConfig.domain_samples: need each >= k={self.k}, "
+                             f"got {few}")
         if self.every_versions < 1 or self.concurrency < 1 or self.skip_per_tier < 0 or \
                 self.max_rollbacks_per_domain < 0 or self.falls_before_rollback < 1:
             raise ValueError("EvaluatorConfig: every_versions, concurrency and "
@@ -535,15 +542,18 @@ def drop_guard_blind(sets: Mapping[str, Sequence[TaskSpec]], cfg: EvaluatorConfi
     tasks and samples (`scoring.smallest_drop_p`), "" when it can on all of them."""
     if not cfg.drop_alpha:
         return ""
-    samples = cfg.samples or cfg.k
+    def samples(domain: str) -> int:
+        return cfg.domain_samples.get(domain, cfg.samples or cfg.k)
+
     blind = sorted(d for d, tasks in sets.items()
-                   if smallest_drop_p(len(tasks), samples) >= cfg.drop_alpha)
+                   if smallest_drop_p(len(tasks), samples(d)) >= cfg.drop_alpha)
     if not blind:
         return ""
-    fewest = min(len(sets[d]) for d in blind)
-    return (f"the drop guard cannot flag {', '.join(blind)}: on {fewest} task(s) of "
-            f"{samples} sample(s) its test gives p >= "
-            f"{smallest_drop_p(fewest, samples):.2g}, never below drop_alpha "
+    fewest = min(blind, key=lambda d: (len(sets[d]), samples(d)))
+    n_tasks, n_samples = len(sets[fewest]), samples(fewest)
+    return (f"the drop guard cannot flag {', '.join(blind)}: on {n_tasks} task(s) of "
+            f"{n_samples} sample(s) its test gives p >= "
+            f"{smallest_drop_p(n_tasks, n_samples):.2g}, never below drop_alpha "
             f"{cfg.drop_alpha:g}, however far pass@1 falls; score more tasks "
             "(score_per_tier) or samples")
 
@@ -868,7 +878,8 @@ class Evaluator(Actor):
             t0 = time.monotonic()
             scores = await evaluate_sets(sets, self.domains, source,
                                          samples=cfg.samples or cfg.k, k=cfg.k,
-                                         concurrency=cfg.concurrency)
+                                         concurrency=cfg.concurrency,
+                                         samples_by_domain=cfg.domain_samples)
         self.last_scores = scores
         await self.publish_scores(msg, scores, time.monotonic() - t0)
         await self.guard(msg, scores)

@@ -87,8 +87,11 @@ SUITE_STAKE_SAMPLES = 8
 a family that passes 1 sample in 16 reads 0 of 32 about 1 time in 8 (0.9375^32 = 0.13) once
 training has changed the policy enough that its samples are drawn afresh, and the runs'
 "worse by 0.05" were mostly such readings (0.062 or 0.094 to 0, none found real by the test
-on the counts). The prompts cost most of an evaluation here: 4 samples a task rather than
-2 took 24 % longer on 30 families."""
+on the counts). The guard scores those domains so too, against baselines read at that
+count: n_queens, whose tier 0 holds 5 guard tasks, fell to 0 in one run unflagged, for its
+start's 3 passes of 10 against none gives p = 0.125, where 14 of 40 against none gives
+p < 0.0001. The prompts cost most of an evaluation here: 4 samples a task rather than 2 took
+24 % longer on 30 families."""
 SUITE_GUARD_DOMAINS_PER_VERSION = 5
 SUITE_GUARD_TASKS_PER_TIER = SUITE_EVAL_TASKS_PER_TIER
 SUITE_GUARD_SAMPLES = SUITE_EVAL_SAMPLES
@@ -380,7 +383,8 @@ def stake_samples(suite: str, guard_start: dict[str, Any]) -> dict[str, int]:
     """Samples a task, by domain, where the suite's evaluations measure finely: the domains
     whose start passes something on the guard's tasks (the others can hardly fall). Chosen
     on the guard's tasks, not the reported ones, so that no domain's reported start is the
-    very reading that chose its sample count."""
+    very reading that chose its sample count. The guard scores them so too, its baselines
+    read again at that count."""
     if suite != "gym":
         return {}
     return {d: SUITE_STAKE_SAMPLES for d, sc in sorted(guard_start["domains"].items())
@@ -459,7 +463,8 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
                    heldout_tiers: list[int] | None = None,
                    start_pass_rates: dict[str, list[float]] | None = None,
                    start_samples: dict[str, list[int]] | None = None,
-                   start_scores: Path | None = None, reward_model: str = "") -> str:
+                   start_scores: Path | None = None, reward_model: str = "",
+                   guard_samples: dict[str, int] | None = None) -> str:
     """The TOML `reinforge up` runs. Sized for 2 CPU cores. `max_staleness=0` makes the
     actors take turns (generate, verify, train, each waiting for the last): the synchronous
     baseline of `bench/rl_throughput.py`.
@@ -470,7 +475,8 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
     `guard_tasks_per_tier` more a tier for it: every `args.guard_every` versions it scores
     the policy on those and rolls back a version that falls below its floor, or (with
     `start_scores`, the `reinforge eval --json` of the start on them) whose fall from the
-    start the test on the counts finds at p < drop_alpha.
+    start the test on the counts finds at p < drop_alpha, scoring `guard_samples` (domain
+    -> samples a task) where given.
     `start_pass_rates` (domain -> the starting policy's pass@1 on tiers 0, 1, ...) starts
     each domain's curriculum at the easiest tier it has not solved yet, and with
     `start_samples` (the samples that measured each) its first signal rate. `args.suite` "gym"
@@ -502,7 +508,8 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
         f", samples = {SUITE_GUARD_SAMPLES}, drop_alpha = {SUITE_GUARD_DROP_ALPHA}, "
         f"falls_before_rollback = {SUITE_GUARD_FALLS_BEFORE_ROLLBACK}"
         if gym else "") + (
-        f", start_scores = {json.dumps(str(start_scores))}" if start_scores else "")
+        f", start_scores = {json.dumps(str(start_scores))}" if start_scores else "") + \
+        inline_table("domain_samples", guard_samples or {})
     evaluator = "" if guard is None else f"""
 [[actors]]
 spec = "reinforge.actors.evaluator:Evaluator"
@@ -643,13 +650,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     kept = sft / "evaluations" if sft.is_relative_to(home / "models") else None
     say(f"evaluating the starting checkpoint ({sft.name}) on the guard's held-out tasks: "
         "the guard's baselines")
-    guard_start = evaluate(sft, domains, eval_k, guard_tasks, tiers, samples=eval_samples,
-                           answer_prior=False, reward_model=rm_dir, held_per_tier=held,
-                           skip=per_tier, cache=kept)
+
+    def guard_baselines(domain_samples: dict[str, int]) -> dict[str, Any]:
+        return evaluate(sft, domains, eval_k, guard_tasks, tiers, samples=eval_samples,
+                        answer_prior=False, reward_model=rm_dir, held_per_tier=held,
+                        skip=per_tier, cache=kept, domain_samples=domain_samples)
+
+    guard_start = guard_baselines({})
     stake = stake_samples(args.suite, guard_start)
-    say("evaluating it on the held-out sets the run reports"
-        + (f" ({SUITE_STAKE_SAMPLES} samples a task in the {len(stake)} domains it passes "
-           "something of)" if stake else ""))
+    if stake:
+        say(f"{SUITE_STAKE_SAMPLES} samples a task in the {len(stake)} domains it passes "
+            "something of, in the guard's baselines and the evaluations the run reports")
+        guard_start = guard_baselines(stake)
+    say("evaluating it on the held-out sets the run reports")
     before = evaluate(sft, domains, eval_k, per_tier, tiers, samples=eval_samples,
                       reward_model=rm_dir, held_per_tier=held, cache=kept,
                       domain_samples=stake)
@@ -668,7 +681,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                           for d, sc in before["domains"].items()},
         start_samples={d: tier_samples(sc["task_counts"], tier_of[d])
                        for d, sc in before["domains"].items()},
-        start_scores=start_path, reward_model=rm_dir))
+        start_scores=start_path, reward_model=rm_dir, guard_samples=stake))
 
     say(f"starting the cluster: reinforge up {config_path} --detach")
     try:  # from here on, however the demo ends (SIGTERM too), the cluster is taken down

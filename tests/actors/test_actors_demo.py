@@ -376,6 +376,13 @@ def test_the_suites_guard_scores_as_the_suites_evaluations_on_a_few_domains_a_ve
     assert (plain.score_per_tier, plain.samples, plain.drop_alpha,
             plain.domains_per_version) == (4, defaults.samples, defaults.drop_alpha, 0)
     assert held_out == {demo.SUITE_GUARD_DOMAINS_PER_VERSION: 32, 0: 8}
+    assert (suite.domain_samples, plain.domain_samples) == ({}, {})
+    config.write_text(demo.cluster_config(
+        "g", tmp_path, tmp_path / "sft", ["gym-gcd", "gym-ab"],
+        parser.parse_args(["demo", "--suite", "gym"]), heldout_per_tier=16,
+        guard={}, guard_samples={"gym-gcd": demo.SUITE_STAKE_SAMPLES}))
+    actor, = [a for a in load_cluster_config(config).actors if a.spec.endswith(":Evaluator")]
+    assert msgspec.convert(actor.config, EvaluatorConfig).domain_samples == {"gym-gcd": 8}
 
 
 def actor_config(tmp_path, rotation, actor, config_type):

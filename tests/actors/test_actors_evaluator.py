@@ -339,6 +339,39 @@ def test_a_planted_regression_publishes_a_rollback_to_the_last_good_version(
     trio.run(main)
 
 
+class SampleCounting(ScriptedEvaluator):
+    """The scripted evaluator, noting how many completions each task was asked for."""
+
+    asked: list[int] = []
+
+    async def source_for(self, msg):
+        scripted = await super().source_for(msg)
+
+        class Counted:
+            async def complete(self, task, n, domain):
+                SampleCounting.asked.append(n)
+                return await scripted.complete(task, n, domain)
+
+        return Counted()
+
+
+@pytest.mark.nats
+def test_the_evaluator_actor_asks_a_domain_for_its_own_sample_count(creds, run_name, tmp_path):
+    cfg = msgspec.structs.replace(guard_config(tmp_path), domains=["math", "gym-gcd"],
+                                  domain_samples={"gym-gcd": 5})
+    SampleCounting.asked = []
+
+    async def main():
+        async with evaluator_running(creds, run_name, SampleCounting, cfg) as bus:
+            await announce(bus, subjects.weights(run_name), (1,))
+            stats = await _read(bus, run_name, subjects.stats(run_name, "eval"),
+                                lambda g: len(g) >= 2)
+        return {e.domain: e.n_tasks for e in (m.decode(d.data) for d in stats)}
+
+    n_tasks = trio.run(main)
+    assert sorted(SampleCounting.asked) == [2] * n_tasks["math"] + [5] * n_tasks["gym-gcd"]
+
+
 class FirstVersionBad(ScriptedEvaluator):
     BAD = {1}
 
@@ -1095,6 +1128,14 @@ def test_the_evaluator_says_when_its_drop_guard_cannot_flag_a_domain():
     assert drop_guard_blind({"gym-a": [one] * 4}, EvaluatorConfig(k=2, drop_alpha=0.01)) == ""
     assert drop_guard_blind(sets, EvaluatorConfig(k=2, drop_alpha=0.0)) == ""
     assert drop_guard_blind(sets, EvaluatorConfig(k=2, samples=8, drop_alpha=0.01)) == ""
+    # a domain scored with more samples than the rest is judged by its own count
+    assert drop_guard_blind(sets, EvaluatorConfig(k=2, drop_alpha=0.01,
+                                                  domain_samples={"math": 8})) == ""
+
+
+def test_the_evaluator_scores_a_domain_given_its_own_sample_count_that_many_times():
+    with pytest.raises(ValueError, match=r"domain_samples: need each >= k=2, got \{'math': 1\}"):
+        EvaluatorConfig(k=2, domain_samples={"math": 1})
 
 
 class PlantedProxy:
