@@ -87,11 +87,15 @@ SUITE_STAKE_SAMPLES = 8
 a family that passes 1 sample in 16 reads 0 of 32 about 1 time in 8 (0.9375^32 = 0.13) once
 training has changed the policy enough that its samples are drawn afresh, and the runs'
 "worse by 0.05" were mostly such readings (0.062 or 0.094 to 0, none found real by the test
-on the counts). The guard scores those domains so too, against baselines read at that
-count: n_queens, whose tier 0 holds 5 guard tasks, fell to 0 in one run unflagged, for its
-start's 3 passes of 10 against none gives p = 0.125, where 14 of 40 against none gives
-p < 0.0001. The prompts cost most of an evaluation here: 4 samples a task rather than 2 took
-24 % longer on 30 families."""
+on the counts). The prompts cost most of an evaluation here: 4 samples a task rather than
+2 took 24 % longer on 30 families.
+
+The guard keeps 2 (`SUITE_GUARD_SAMPLES`). At 8 (`cluster_config`'s `guard_samples`), it
+would see what 2 cannot: n_queens, whose tier 0 holds 5 guard tasks, fell from 0.3 to 0 in
+one run unflagged, its start's 3 passes of 10 against none giving p = 0.125 where 14 of 40
+against none gives p < 0.0001. But in the one run at 8 it found aiw's fall at its first
+check (v25) and at every check after, so no version was ever good and nothing could be
+rolled back: the start is no rollback target (the learner has no checkpoint of it)."""
 SUITE_GUARD_DOMAINS_PER_VERSION = 5
 SUITE_GUARD_TASKS_PER_TIER = SUITE_EVAL_TASKS_PER_TIER
 SUITE_GUARD_SAMPLES = SUITE_EVAL_SAMPLES
@@ -124,8 +128,8 @@ SUITE_GROUPS_PER_VERSION = 4
 2 the suite's learner waited on groups (0.25 s of compute a step, 1.4 s of wait) while its
 sampler held new generations for weights swaps 134 to 177 s of a 428 s run (166 to 202
 swaps, each waiting for the generations running to finish). Three runs at 2 trained 330 to
-416 groups and dropped 63 to 135 as stale; two at 4 trained 424 and 524, dropped 10 each,
-and held generations 84 and 103 s."""
+416 groups and dropped 63 to 135 as stale; five at 4 trained 424 to 624, dropped 0 to 16,
+and held generations 75 to 109 s."""
 SUITE_FALL_ALPHA = 0.05
 """A domain's fall counts as real in the suite's summary when the test on the counts
 (`scoring.drop_test`) gives p below this: two evaluations of one checkpoint with two sampling
@@ -383,8 +387,7 @@ def stake_samples(suite: str, guard_start: dict[str, Any]) -> dict[str, int]:
     """Samples a task, by domain, where the suite's evaluations measure finely: the domains
     whose start passes something on the guard's tasks (the others can hardly fall). Chosen
     on the guard's tasks, not the reported ones, so that no domain's reported start is the
-    very reading that chose its sample count. The guard scores them so too, its baselines
-    read again at that count."""
+    very reading that chose its sample count."""
     if suite != "gym":
         return {}
     return {d: SUITE_STAKE_SAMPLES for d, sc in sorted(guard_start["domains"].items())
@@ -419,12 +422,12 @@ def evaluate(model: Path, domains: list[str], k: int, tasks_per_tier: int,
              seed: int = 0, cache: Path | None = None,
              domain_samples: dict[str, int] | None = None) -> dict[str, Any]:
     """pass@1 and pass@k on the held-out sets, every tier of each domain (the curriculum
-    may train any of them) or `tiers`, `samples` a task (0: k; a domain in
-    `domain_samples`: its own count), each task's pass@1 kept for
-    the paired comparison; the constant answer's scores too, unless `answer_prior` is off
-    (they do not depend on the policy: the evaluation before training has them). The run
-    holds out `held_per_tier` tasks a tier (0: `tasks_per_tier`); this scores
-    `tasks_per_tier` of them after the first `skip`. Evaluations with one sampling `seed`
+    may train any of them) or `tiers`, `samples` a task (0: k; a domain in `domain_samples`:
+    its own count), each task's pass@1 kept for the paired comparison; the constant
+    answer's scores too, unless `answer_prior` is off (they do not depend on the policy:
+    the evaluation before training has them). The run holds out `held_per_tier` tasks a
+    tier (0: `tasks_per_tier`); this scores `tasks_per_tier` of them after the first
+    `skip`. Evaluations with one sampling `seed`
     meet the same random numbers: the demo's before and after share seed 0.
 
     `cache`: a folder for this evaluation's result, kept for the next call with the same
@@ -650,19 +653,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     kept = sft / "evaluations" if sft.is_relative_to(home / "models") else None
     say(f"evaluating the starting checkpoint ({sft.name}) on the guard's held-out tasks: "
         "the guard's baselines")
-
-    def guard_baselines(domain_samples: dict[str, int]) -> dict[str, Any]:
-        return evaluate(sft, domains, eval_k, guard_tasks, tiers, samples=eval_samples,
-                        answer_prior=False, reward_model=rm_dir, held_per_tier=held,
-                        skip=per_tier, cache=kept, domain_samples=domain_samples)
-
-    guard_start = guard_baselines({})
+    guard_start = evaluate(sft, domains, eval_k, guard_tasks, tiers, samples=eval_samples,
+                           answer_prior=False, reward_model=rm_dir, held_per_tier=held,
+                           skip=per_tier, cache=kept)
     stake = stake_samples(args.suite, guard_start)
-    if stake:
-        say(f"{SUITE_STAKE_SAMPLES} samples a task in the {len(stake)} domains it passes "
-            "something of, in the guard's baselines and the evaluations the run reports")
-        guard_start = guard_baselines(stake)
-    say("evaluating it on the held-out sets the run reports")
+    say("evaluating it on the held-out sets the run reports"
+        + (f" ({SUITE_STAKE_SAMPLES} samples a task in the {len(stake)} domains it passes "
+           "something of)" if stake else ""))
     before = evaluate(sft, domains, eval_k, per_tier, tiers, samples=eval_samples,
                       reward_model=rm_dir, held_per_tier=held, cache=kept,
                       domain_samples=stake)
@@ -681,7 +678,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                           for d, sc in before["domains"].items()},
         start_samples={d: tier_samples(sc["task_counts"], tier_of[d])
                        for d, sc in before["domains"].items()},
-        start_scores=start_path, reward_model=rm_dir, guard_samples=stake))
+        start_scores=start_path, reward_model=rm_dir))
 
     say(f"starting the cluster: reinforge up {config_path} --detach")
     try:  # from here on, however the demo ends (SIGTERM too), the cluster is taken down
