@@ -4,15 +4,15 @@ offline (no bus).
     reinforge eval --model DIR --domains math,docqa --k 4 [--samples 8] [--json]
 
 Starts the embedded rollout server on the checkpoint (a free port; or uses `--url`),
-generates `samples` completions per held-out task in one request (`--domain-samples D=N`:
-a domain's own count), verifies them locally with the domains, and prints one line per
-domain; with `--json` the table goes to stderr and stdout is one JSON object (the last
-line). The held-out sets are the evaluator actor's
-(`--seed`, `--tasks-per-tier`, `--heldout-file`, `--review-set`), and `--train-file` runs the
-same contamination check first (exit 2 when it finds overlap). Code and terminal domains run
-their checks in the Podman sandbox pool. Each task's samples are drawn with a seed made from
-`--sampling-seed` and the task: two checkpoints evaluated with one seed are compared on the
-same random numbers (a checkpoint evaluated twice reads the same; two close ones mostly do).
+generates `samples` completions per held-out task in one request (`--domain-samples D=N`: a
+domain's own count), verifies them locally with the domains, and prints one line per domain;
+with `--json` the table goes to stderr and stdout is one JSON object (the last line). The
+held-out sets are the evaluator actor's (`--seed`, `--tasks-per-tier`, `--heldout-file`,
+`--review-set`), and `--train-file` runs the same contamination check first (exit 2 when it
+finds overlap). Code and terminal domains run their checks in the Podman sandbox pool. Each
+task's samples are drawn with a seed made from `--sampling-seed` and the task: two
+checkpoints evaluated with one seed are compared on the same random numbers (a checkpoint
+evaluated twice reads the same; two close ones mostly do).
 
 Two figures tell a skill from the answer prior: `answer_mode_share`, how often the policy's
 most common final answer was given (near 1.0: one answer whatever the task), and, for the
