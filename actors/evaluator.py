@@ -235,6 +235,10 @@ class EvaluatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             raise ValueError("EvaluatorConfig.reward_model_spread_penalty must be >= 0, got "
                              f"{self.reward_model_spread_penalty}")
 
+    def samples_for(self, domain: str) -> int:
+        """Completions per task of `domain`: its `domain_samples`, else `samples` (0: k)."""
+        return self.domain_samples.get(domain, self.samples or self.k)
+
 
 # ----------------------------------------------------------------------------- scoring
 
@@ -542,15 +546,12 @@ def drop_guard_blind(sets: Mapping[str, Sequence[TaskSpec]], cfg: EvaluatorConfi
     tasks and samples (`scoring.smallest_drop_p`), "" when it can on all of them."""
     if not cfg.drop_alpha:
         return ""
-    def samples(domain: str) -> int:
-        return cfg.domain_samples.get(domain, cfg.samples or cfg.k)
-
     blind = sorted(d for d, tasks in sets.items()
-                   if smallest_drop_p(len(tasks), samples(d)) >= cfg.drop_alpha)
+                   if smallest_drop_p(len(tasks), cfg.samples_for(d)) >= cfg.drop_alpha)
     if not blind:
         return ""
-    fewest = min(blind, key=lambda d: (len(sets[d]), samples(d)))
-    n_tasks, n_samples = len(sets[fewest]), samples(fewest)
+    fewest = min(blind, key=lambda d: (len(sets[d]), cfg.samples_for(d)))
+    n_tasks, n_samples = len(sets[fewest]), cfg.samples_for(fewest)
     return (f"the drop guard cannot flag {', '.join(blind)}: on {n_tasks} task(s) of "
             f"{n_samples} sample(s) its test gives p >= "
             f"{smallest_drop_p(n_tasks, n_samples):.2g}, never below drop_alpha "
