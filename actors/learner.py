@@ -13,6 +13,9 @@ Invariants:
     or, for groups that are dropped (too stale) or skipped (no signal), once the decision is
     written to the decision journal (fsynced); such groups join the ledger saved with the
     next checkpoint, which clears the lines it holds. Nothing is ever trained on twice.
+  * A skipped group may anchor the next step (`anchor_domains`): its KL to the reference
+    joins that step's loss, nothing else; it is held in memory only, its fate stays
+    "no_signal", and a restart or rollback forgets it.
   * On restart the learner loads the newest complete checkpoint and replays the journal; a
     redelivered rollout already in the ledger, or of a task already decided, is acked and
     skipped. While a task's group is open (gathered, trained, or in a checkpoint being
@@ -36,6 +39,7 @@ Invariants:
 from __future__ import annotations
 
 import collections
+import fnmatch
 import functools
 import os
 import re
@@ -50,7 +54,7 @@ import trio
 from reinforge.rl import checkpoint as ckpt
 from reinforge.rl.curriculum import MIN_REWARD_SPREAD, group_has_signal
 from reinforge.rl.grpo import AdvantageNorm, is_too_stale, segment_staleness, staleness
-from reinforge.rl.samples import prepare_samples, sample_is_valid
+from reinforge.rl.samples import anchor_samples, prepare_samples, sample_is_valid
 from reinforge.core import paths, subjects
 from reinforge.core.atomic import fsync_path
 from reinforge.core.weights import delete_versions, put_version
@@ -62,6 +66,7 @@ from reinforge.core.messages import (
     GroupDecision,
     KeepVersions,
     MessageError,
+    Outcome,
     Rollback,
     ScoredRollout,
     TrainStats,
@@ -96,7 +101,8 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     checkpoint_dir: str = ""
     """Where versions are written; default `<run_dir>/checkpoints`."""
     reference_model: str = ""
-    """Frozen reference for the KL term; default: `model`. Loaded only when kl_coef > 0."""
+    """Frozen reference for the KL terms; default: `model`. Loaded only when kl_coef or
+    anchor_kl_coef is > 0."""
     domains: str = "*"
     """Subject token of the scored rollouts to learn from (`*` = every domain)."""
     groups_per_version: int = RUN_DEFAULTS.groups_per_version
@@ -152,7 +158,23 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """TrainStats.logp_mismatch_share_over counts policy tokens whose |logp_learner -
     logp_behaviour| exceeds this."""
     kl_coef: float = 0.0
-    """Weight of the k3 KL to the frozen reference (0: no reference model is loaded)."""
+    """Weight of the k3 KL to the frozen reference on every trained token (0: none)."""
+    anchor_domains: list[str] = []
+    """Domains (names or globs) whose groups that pass nothing anchor the policy while the
+    domain is idle (not trained on for `anchor_idle_versions`): such a group has no signal
+    and is still dropped ("no_signal": never trained on, its deliveries acked as before),
+    but the newest `anchor_groups` of them join the next step with their k3 KL to the
+    reference alone, weighted `anchor_kl_coef` (`Trainer.train_step`'s anchors). Training
+    on other domains moves the policy on an idle domain's prompts too, and a task it forgot
+    gives groups that teach nothing; the KL pulls it back toward the reference, which may
+    pass. Left alone: groups where every sample passes (the KL would pull the policy back to
+    the reference's lower pass rate), and a domain being trained (it would pull against what
+    the domain is learning)."""
+    anchor_kl_coef: float = 0.0
+    anchor_groups: int = 4
+    """Anchor groups a step at most (the newest; older ones are let go)."""
+    anchor_idle_versions: int = 10
+    """A domain trained on in the last this many versions is learning: not anchored."""
     temperature: float = RUN_DEFAULTS.temperature
     """The samplers' temperature, `[run]`: logprobs are log_softmax(logits / T) (T = 1 where
     sampling is greedy)."""
@@ -204,9 +226,13 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                 raise ValueError(f"learner config: {name} must be >= 1, got {getattr(self, name)}")
         for name in ("group_size", "max_staleness", "kl_coef", "weight_decay", "max_grad_norm",
                      "clip_low", "clip_high", "logp_mismatch_threshold_nats",
-                     "micro_batch_tokens", "min_reward_spread", "advantage_scale_floor"):
+                     "micro_batch_tokens", "min_reward_spread", "advantage_scale_floor",
+                     "anchor_kl_coef", "anchor_groups", "anchor_idle_versions"):
             if getattr(self, name) < 0:
                 raise ValueError(f"learner config: {name} must be >= 0, got {getattr(self, name)}")
+        if bool(self.anchor_domains) != (self.anchor_kl_coef > 0 and self.anchor_groups > 0):
+            raise ValueError("learner config: anchor_domains goes with anchor_kl_coef > 0 and "
+                             "anchor_groups > 0 (each does nothing without the others)")
         if self.publish_weights not in ("path", "store"):
             raise ValueError(f"learner config: publish_weights must be 'path' or 'store', got "
                              f"{self.publish_weights!r}")
@@ -478,6 +504,11 @@ class Learner(Actor):
         self._rollback: tuple[Rollback, Ticket] | None = None
         self.rollbacks_applied: list[str] = []
         """`rollback_key` of every Rollback applied (saved in checkpoints)."""
+        self._anchors: collections.deque[list[ScoredRollout]] = collections.deque(
+            maxlen=max(1, config.anchor_groups))
+        """The newest groups of `anchor_domains` that pass nothing, for the next step."""
+        self._trained_at: dict[str, int] = {}
+        """The version each domain was last trained into (in this process's life)."""
 
     def inputs(self) -> list[Input]:
         cfg: LearnerConfig = self.config
@@ -635,12 +666,22 @@ class Learner(Actor):
                 elif not has_signal(group, cfg.min_reward_spread):
                     self.counters["skipped_no_signal_groups"] += 1
                     fate = Fate.NO_SIGNAL
+                    if self._anchors_the_policy(group.domain, samples):
+                        self._anchors.append(samples)
                 else:
                     usable.append(group)
                     await self._decide(group, Fate.ACCEPTED)
                     continue
                 await self._drop(group, fate)
         return usable
+
+    def _anchors_the_policy(self, domain: str, silent: list[ScoredRollout]) -> bool:
+        """A group without signal that passes nothing, of an idle anchor domain."""
+        cfg: LearnerConfig = self.config
+        idle = self.version - self._trained_at.get(domain, -cfg.anchor_idle_versions - 1)
+        return (idle > cfg.anchor_idle_versions
+                and not any(s.outcome == Outcome.PASS for s in silent)
+                and any(fnmatch.fnmatchcase(domain, p) for p in cfg.anchor_domains))
 
     async def _drop(self, group: Group, fate: Fate) -> None:
         """Decided for good: journaled now (before the decision goes out and the ack), in
@@ -690,16 +731,19 @@ class Learner(Actor):
         self._in_flight[version] = batch
         samples, figures = prepare_samples([g.ordered() for g in batch], cfg.advantage_norm,
                                            cfg.advantage_scale_floor)
+        anchors = anchor_samples(list(self._anchors))
+        self._anchors.clear()
         stale = [staleness(self.version, s.policy_version) for s in samples]  # oldest segment
         segments = segment_staleness(self.version, [s.rollout.segments() for g in batch
                                                     for s in g.ordered()])
         with self.ctx.waiting("GRPO step (compute)"):
             step_figures = await trio.to_thread.run_sync(self.trainer.train_step, samples,
-                                                         self.version)
+                                                         self.version, anchors)
         self.version, self.step = version, self.step + 1
         for g in batch:
             self.buffer.consume(g, f"v{version}")
         self.counters["trained_groups"] += len(batch)
+        self._trained_at.update((g.domain, version) for g in batch)
         figures.update(step_figures)
         figures.update({
             "wait_s": wait_s, "staleness_mean": sum(stale) / max(1, len(stale)),
@@ -777,6 +821,7 @@ class Learner(Actor):
         assert self._rollback is not None
         msg, ticket = self._rollback
         self._rollback = None
+        self._anchors.clear()  # samples of a policy that may be rolled back
         if msg.to_version >= self.version:
             say(f"learner: rollback to v{msg.to_version} ignored: already at v{self.version}")
             await ticket.ack()

@@ -158,10 +158,11 @@ class ReplicaGroup:
             self._end_workers()
             raise
 
-    def train_step(self, samples: list[Any], version: int) -> dict[str, float]:
+    def train_step(self, samples: list[Any], version: int,
+                   anchors: list[Any] | None = None) -> dict[str, float]:
         with self._replicas_alive():
-            _broadcast(("train", samples, version))
-            return self.trainer.train_step(samples, version)
+            _broadcast(("train", samples, version, anchors))
+            return self.trainer.train_step(samples, version, anchors)
 
     def restore(self, model_dir: str | Path, state: dict[str, Any]) -> None:
         with self._replicas_alive():
@@ -254,7 +255,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     while True:
         command = _broadcast()
         if command[0] == "train":
-            trainer.train_step(command[1], command[2])
+            trainer.train_step(command[1], command[2], command[3])
         elif command[0] == "restore":
             trainer.restore(command[1], command[2])
         elif command[0] == "digest":

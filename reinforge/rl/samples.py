@@ -111,14 +111,8 @@ def prepare_samples(
             rewards, torch.tensor(ok), norm=norm, scale=scales.get(group[0].rollout.domain, 0.0),
             scale_floor=scale_floor,
         )
-        for s, a, good in zip(group, adv.tolist(), ok, strict=True):
-            if good:
-                r = s.rollout
-                out.append(TrainSample(
-                    rollout_id=r.rollout_id, domain=r.domain, prompt_ids=list(r.prompt_ids),
-                    output_ids=list(r.output_ids), logprobs=list(r.logprobs), advantage=a,
-                    reward=s.reward, policy_version=r.policy_version, loss_mask=loss_mask_of(r),
-                ))
+        out.extend(train_sample(s, a) for s, a, good in zip(group, adv.tolist(), ok, strict=True)
+                   if good)
     figures: dict[str, float] = {"masked_samples": float(len(flat) - sum(valid))}
     by_domain: dict[str, list[float]] = collections.defaultdict(list)
     for s, good in zip(flat, valid, strict=True):
@@ -133,3 +127,17 @@ def prepare_samples(
         figures["adv_std"] = (sum((a - mean) ** 2 for a in advs) / len(advs)) ** 0.5
         figures["adv_abs_max"] = max(abs(a) for a in advs)
     return out, figures
+
+
+def train_sample(s: ScoredRollout, advantage: float) -> TrainSample:
+    r = s.rollout
+    return TrainSample(
+        rollout_id=r.rollout_id, domain=r.domain, prompt_ids=list(r.prompt_ids),
+        output_ids=list(r.output_ids), logprobs=list(r.logprobs), advantage=advantage,
+        reward=s.reward, policy_version=r.policy_version, loss_mask=loss_mask_of(r))
+
+
+def anchor_samples(groups: list[list[ScoredRollout]]) -> list[TrainSample]:
+    """The valid samples of groups without signal, as the trainer's anchors (advantage 0:
+    they add only their KL to the reference, `Trainer.train_step`)."""
+    return [train_sample(s, 0.0) for g in groups for s in g if sample_is_valid(s)]

@@ -169,9 +169,10 @@ class Trainer:
             self.optimizer.load_state_dict(state["optimizer"])
             torch.set_rng_state(state["rng"])
         self.reference = None
-        if cfg.kl_coef > 0:
+        if cfg.kl_coef > 0 or cfg.anchor_kl_coef > 0:
             if not reference_dir:
-                raise ValueError("kl_coef > 0 needs a reference model directory")
+                raise ValueError("kl_coef > 0 or anchor_kl_coef > 0 needs a reference model "
+                                 "directory")
             self.reference = load_policy(reference_dir, dtype=self.dtype,
                                          device=cfg.device).eval()
             self.reference.requires_grad_(False)
@@ -254,8 +255,14 @@ class Trainer:
         return (model, detached_copy(model.state_dict()),
                 detached_copy(self.state_dict(**state_args)))
 
-    def train_step(self, samples: list[Any], version: int) -> dict[str, float]:
+    def train_step(self, samples: list[Any], version: int,
+                   anchors: list[Any] | None = None) -> dict[str, float]:
         """Train on one batch of `samples` (TrainSample-like); returns its figures.
+
+        `anchors` (TrainSample-like, their advantages unused): samples whose tokens add
+        `anchor_kl_coef` x their token-mean k3 KL to the reference to every optimizer step's
+        loss, and nothing else (`anchor_kl`, `anchor_samples` in the figures): the learner
+        holds the policy near its start on prompts it is not learning from.
 
         `ppo_epochs` passes over the batch, each split into `minibatches` optimizer steps
         (default 1 x 1: one step). With more than one step and TIS on, the PPO ratio of every
@@ -285,15 +292,19 @@ class Trainer:
             for part in split_evenly(order, cfg.minibatches):
                 step = self._optimizer_step(
                     [samples[i] for i in part], None if proximal is None else
-                    [proximal[i] for i in part], version, gaps if not per_step else None)
+                    [proximal[i] for i in part], version, gaps if not per_step else None,
+                    anchors or [])
                 per_step.append({**step, "epoch": float(epoch)})
         compute_s = time.perf_counter() - t0
         num_tokens = sum(sum(s.loss_mask) for s in samples)
         mismatch = summarise_gaps(torch.cat(gaps), cfg.logp_mismatch_threshold_nats)
         keys = ["loss", "policy_loss", "kl_behaviour", "clip_frac", "ratio_mean", "grad_norm"]
         keys += ["tis_weight_mean", "tis_capped_share"] if cfg.tis_cap > 0 else []
-        keys += ["kl_ref"] if self.reference is not None else []
+        keys += ["kl_ref"] if cfg.kl_coef > 0 else []
+        keys += ["anchor_kl"] if anchors else []
         figures = {k: sum(st[k] for st in per_step) / len(per_step) for k in keys}
+        if anchors:
+            figures["anchor_samples"] = float(len(anchors))
         figures.update({
             "ratio_dev_max_on_policy": per_step[0]["ratio_dev_max_on_policy"],
             "optimizer_steps": float(steps),
@@ -344,9 +355,11 @@ class Trainer:
         return self.replica.gather(self.logprobs(self.replica.share(samples)))
 
     def _optimizer_step(self, samples: list[Any], proximal: list[torch.Tensor] | None,
-                        version: int, gaps: list[torch.Tensor] | None) -> dict[str, float]:
-        """Accumulate the gradient of `samples` over micro-batches, then one optimizer step;
-        the step's figures. `gaps` (the first step's) collects |logp - logp_behaviour|."""
+                        version: int, gaps: list[torch.Tensor] | None,
+                        anchors: list[Any]) -> dict[str, float]:
+        """Accumulate the gradient of `samples` (and `anchors`' KL) over micro-batches, then
+        one optimizer step; the step's figures. `gaps` (the first step's) collects
+        |logp - logp_behaviour|."""
         cfg = self.cfg
         num_tokens = sum(sum(s.loss_mask) for s in samples)
         per_token = max(num_tokens, 1)  # a batch of environment text only: figures are 0
@@ -377,10 +390,9 @@ class Trainer:
                 )
             policy_loss = token_mean(terms.loss, mask, num_tokens)
             loss = policy_loss
-            if self.reference is not None:
-                with torch.no_grad(), self._forward():
-                    ref, _ = self._sequence_logprobs(self.reference, mb)
-                kl = token_mean(k3_kl(logp, ref, mask), mask, num_tokens)
+            if cfg.kl_coef > 0:
+                kl = token_mean(k3_kl(logp, self._reference_logprobs(mb), mask), mask,
+                                num_tokens)
                 loss = loss + cfg.kl_coef * kl
                 sums["kl_ref"] += kl.item()
             loss.backward()
@@ -397,6 +409,8 @@ class Trainer:
                 on_policy_dev = max(on_policy_dev, float(on_policy))
                 if gaps is not None:
                     gaps.append(abs_logprob_gaps(logp, old, mask).cpu())
+        if anchors:
+            sums["anchor_kl"] = self._anchor_gradient(anchors)
         if self.replica is not None:  # every figure over the whole step, as one replica's
             sums = self.replica.sum_figures(sums)
             on_policy_dev = self.replica.max_figure(on_policy_dev)
@@ -414,10 +428,31 @@ class Trainer:
             "tis_weight_mean": sums["tis_weight"] / per_token,
             "tis_capped_share": sums["tis_capped"] / per_token,
         }
-        if self.reference is not None:
+        if cfg.kl_coef > 0:
             step["kl_ref"] = sums["kl_ref"]
+        if anchors:
+            step["anchor_kl"] = sums["anchor_kl"]
         return step
 
+    def _reference_logprobs(self, mb: list[Any]) -> torch.Tensor:
+        with torch.no_grad(), self._forward():
+            return self._sequence_logprobs(self.reference, mb)[0]
+
+    def _anchor_gradient(self, anchors: list[Any]) -> float:
+        """Accumulate the gradient of `anchor_kl_coef` x the anchors' token-mean k3 KL to
+        the reference (over all their policy tokens, this replica's share); their KL."""
+        num_tokens = sum(sum(s.loss_mask) for s in anchors)
+        mine = anchors if self.replica is None else self.replica.share(anchors)
+        total = 0.0
+        for mb in self._batches(mine) if mine else []:
+            with self._forward():
+                logp, in_seq = self._sequence_logprobs(self.model, mb)
+            mask = padded([s.loss_mask for s in mb], logp.shape[1], logp.dtype).to(
+                logp.device) * in_seq
+            kl = token_mean(k3_kl(logp, self._reference_logprobs(mb), mask), mask, num_tokens)
+            (self.cfg.anchor_kl_coef * kl).backward()
+            total += kl.item()
+        return total
 
     def _step(self, max_norm: float) -> torch.Tensor:
         """Clip the accumulated gradient and step; bf16 parameters take the stepped float32

@@ -19,7 +19,7 @@ from reinforge.actors.learner import (
     LearnerConfig,
     train_stats,
 )
-from reinforge.rl.samples import prepare_samples
+from reinforge.rl.samples import anchor_samples, prepare_samples
 from reinforge.rl.trainer import Trainer, sequence_logprobs
 from reinforge.core import messages as m
 from reinforge.core import subjects
@@ -816,6 +816,46 @@ def test_the_kl_term_to_the_reference_starts_at_zero_and_enters_the_loss(tiny_mo
     assert second["loss"] == pytest.approx(second["policy_loss"] + 0.5 * second["kl_ref"])
 
 
+def test_anchors_add_only_their_kl_to_the_reference_and_pull_the_policy_back(tiny_model_dir,
+                                                                             tmp_path):
+    """An anchor group (no signal) trains nothing by itself; once the policy has moved, its
+    KL to the reference is > 0, and a step with it moves the policy back on its prompt."""
+    trained, _ = prepare_samples([synthetic_group("t", [1.0, 0.0, 0.0, 1.0])], AdvantageNorm.NONE)
+    anchors = anchor_samples([synthetic_group("a", [0.0, 0.0, 0.0, 0.0])])
+    cfg = make_config(tiny_model_dir, tmp_path, anchor_domains=["d"], anchor_kl_coef=5.0)
+    trainer = Trainer(cfg, tiny_model_dir, reference_dir=tiny_model_dir)
+    reference = Trainer(make_config(tiny_model_dir, tmp_path), tiny_model_dir)
+    first = trainer.train_step(trained, version=0, anchors=anchors)
+    assert first["anchor_kl"] == 0.0 and first["anchor_samples"] == 4.0
+    assert "kl_ref" not in first  # the trained tokens carry no KL term
+    for _ in range(3):  # the policy moves away from its start
+        trainer.train_step(trained, version=0)
+
+    def drift():  # mean |logp - logp_reference| over the anchors' tokens
+        now, ref = trainer.logprobs(anchors), reference.logprobs(anchors)
+        return float(sum((a - b).abs().sum() for a, b in zip(now, ref, strict=True)))
+
+    moved = drift()
+    pulled = trainer.train_step(trained[:1], version=0, anchors=anchors)
+    assert pulled["anchor_kl"] > 0.0 and moved > 0.0
+    alone = Trainer(make_config(tiny_model_dir, tmp_path), tiny_model_dir)
+    for _ in range(4):
+        alone.train_step(trained, version=0)
+    alone.train_step(trained[:1], version=0)
+    without = float(sum((a - b).abs().sum() for a, b in zip(
+        alone.logprobs(anchors), reference.logprobs(anchors), strict=True)))
+    assert drift() < without  # the same steps without anchors end farther from the start
+
+
+def test_anchors_need_their_domains_and_weight_together(tiny_model_dir, tmp_path):
+    for kw in ({"anchor_domains": ["d"]}, {"anchor_kl_coef": 1.0},
+               {"anchor_domains": ["d"], "anchor_kl_coef": 1.0, "anchor_groups": 0}):
+        with pytest.raises(ValueError, match="anchor_domains goes with"):
+            make_config(tiny_model_dir, tmp_path, **kw)
+    with pytest.raises(ValueError, match="anchor_kl_coef must be >= 0"):
+        make_config(tiny_model_dir, tmp_path, anchor_domains=["d"], anchor_kl_coef=-1.0)
+
+
 def learner_process(run_name, creds_file, model_dir, checkpoint_dir, *settings):
     """`reinforge actor run` arguments of a learner training a version per group."""
     extra = [arg for setting in settings for arg in ("--set", setting)]
@@ -1122,6 +1162,61 @@ def test_a_dropped_group_is_journaled_before_its_ack_and_reaches_the_next_checkp
     assert state["tasks"] == {"silent": "no_signal", "useful": "v1"}
     assert set(state["ledger"]) == {s.rollout.rollout_id for s in silent + useful}
     assert journal.read() == []  # cleared once the checkpoint holds it
+
+
+@pytest.mark.nats
+@pytest.mark.slow
+def test_the_next_step_is_anchored_by_idle_anchor_domains_groups_that_pass_nothing(
+    creds, run_name, tiny_model_dir, tmp_path
+):
+    cfg = make_config(tiny_model_dir, tmp_path, groups_per_version=1,
+                      anchor_domains=["gym-*"], anchor_kl_coef=1.0)
+    anchored = synthetic_group("anchored", [0.0] * 4, domain="gym-gcd")  # no signal, no pass
+    passing = [msgspec.structs.replace(s, outcome=m.Outcome.PASS)  # every sample passes
+               for s in synthetic_group("passing", [1.0] * 4, domain="gym-gcd")]
+    other = synthetic_group("other", [0.0] * 4, domain="math")  # not an anchor domain
+    learning = synthetic_group("learning", [1.0, 0.0, 1.0, 0.0], domain="gym-gcd")
+    forgot = synthetic_group("forgot", [0.0] * 4, domain="gym-gcd")  # trained a version ago
+    idle = synthetic_group("idle", [0.0] * 4, domain="gym-aiw")  # never trained
+    useful = [synthetic_group(f"useful{i}", [1.0, 0.0, 1.0, 0.0]) for i in range(2)]
+    journal = DecisionJournal(Path(cfg.checkpoint_dir) / DecisionJournal.NAME)
+    stats: list = []
+
+    async def main():
+        async with open_bus(creds) as bus, trio.open_nursery() as nursery:
+            stream = await bus.ensure_run_stream(run_name)
+            await nursery.start(collect_stats, bus, run_name, stats)
+            await nursery.start(functools.partial(run_actor, Learner, creds=creds,
+                                                  run=run_name, config=cfg))
+
+            async def dropped(*groups, then):
+                await publish(bus, run_name, [s for g in groups for s in g])
+                with trio.fail_after(60):
+                    while len(journal.read()) < len(groups):
+                        await trio.sleep(0.1)
+                await publish(bus, run_name, then)
+                return await wait_for_version(bus, stream, run_name, len(stats) + 1)
+
+            await dropped(anchored, passing, other, then=learning)  # v1
+            await dropped(forgot, then=useful[0])  # v2
+            w = await dropped(idle, then=useful[1])  # v3
+            with trio.fail_after(10):
+                while len(stats) < 3:
+                    await trio.sleep(0.1)
+            nursery.cancel_scope.cancel()
+            return w
+
+    w = trio.run(main)
+    first, second, third = stats
+    assert first.figures["anchor_samples"] == 4.0 and first.figures["samples"] == 4.0
+    assert "anchor_kl" in first.figures
+    assert "anchor_samples" not in second.figures  # gym-gcd is learning; an anchor serves once
+    assert third.figures["anchor_samples"] == 4.0  # gym-aiw is idle
+    assert third.figures["skipped_no_signal_groups"] == 5.0
+    state = ckpt.load_trainer_state(w.path)  # dropped as ever: never trained on
+    assert state["tasks"] == {"anchored": "no_signal", "passing": "no_signal",
+                              "other": "no_signal", "learning": "v1", "forgot": "no_signal",
+                              "useful0": "v2", "idle": "no_signal", "useful1": "v3"}
 
 
 @pytest.mark.nats

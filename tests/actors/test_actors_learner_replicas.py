@@ -13,7 +13,7 @@ from learner_fixtures import GradientRecorder, synthetic_group
 from reinforge.actors.learner import LearnerConfig
 from reinforge.rl.grpo import AdvantageNorm
 from reinforge.rl.replicas import ReplicaGroup, weights_digest
-from reinforge.rl.samples import prepare_samples
+from reinforge.rl.samples import anchor_samples, prepare_samples
 from reinforge.rl.trainer import Trainer
 
 pytestmark = pytest.mark.slow
@@ -49,6 +49,37 @@ def test_two_replicas_sum_to_the_gradient_one_replica_has_on_the_whole_batch(
     finally:
         group.close()
     assert len(alone.grads) == len(together.grads) > 0
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+               for a, b in zip(alone.grads, together.grads, strict=True))
+
+
+def test_two_replicas_sum_the_anchors_gradient_one_replica_has_on_them_all(
+        tiny_model_dir, tmp_path):
+    """Anchors (KL to a reference, here a policy a step away, so that it pulls) are shared
+    out like the batch: the summed gradient is the one a single replica has."""
+    reference = tmp_path / "reference"
+    moved = Trainer(config(tiny_model_dir, tmp_path), tiny_model_dir)
+    moved.train_step(batch(), version=0)
+    moved.export_model().save_pretrained(reference)
+    cfg = config(tiny_model_dir, tmp_path, max_grad_norm=0.0, anchor_domains=["math"],
+                 anchor_kl_coef=1.0)
+    samples = batch()
+    anchors = anchor_samples([synthetic_group(f"an{k}", [0.0] * 4, tokens=3 + k)
+                              for k in range(3)])
+    one = Trainer(cfg, tiny_model_dir, reference_dir=reference)
+    alone = GradientRecorder(one)
+    one.train_step(samples, version=0)
+    without = alone.grads
+    one.train_step(samples, version=0, anchors=anchors)
+    group = ReplicaGroup(cfg, tiny_model_dir, reference_dir=reference, replicas=2)
+    try:
+        together = GradientRecorder(group.trainer)
+        figures = group.train_step(samples, version=0, anchors=anchors)
+    finally:
+        group.close()
+    assert figures["anchor_kl"] > 0.0 and figures["anchor_samples"] == 12.0
+    assert not all(torch.allclose(a, b, rtol=1e-4, atol=1e-6)  # the anchors pull
+                   for a, b in zip(without, alone.grads, strict=True))
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6)
                for a, b in zip(alone.grads, together.grads, strict=True))
 
