@@ -130,6 +130,20 @@ sampler held new generations for weights swaps 134 to 177 s of a 428 s run (166 
 swaps, each waiting for the generations running to finish). Three runs at 2 trained 330 to
 416 groups and dropped 63 to 135 as stale; five at 4 trained 424 to 624, dropped 0 to 16,
 and held generations 75 to 109 s."""
+SUITE_ANCHOR_KL_COEF = 1.0
+"""The suite's learner anchors the domains at stake (`domains_at_stake`) while it does not
+train them: a group of one that passes nothing, dropped for having no signal, joins the next
+step with each token's k3 KL to the start weighted this (`LearnerConfig.anchor_domains`, at
+most `SUITE_ANCHOR_GROUPS` a step, a domain idle for `anchor_idle_versions`). A family the
+run leaves alone drifts with the others: self_reference (each task gives one answer to every
+sample, so its groups seldom teach) fell 0.094 to 0.102 in five of eight runs without it,
+trained on 2 to 4 groups. Three runs with it: mean change +0.0495, +0.040, +0.043, domains
+worse by more than 0.05: 0, 3, 0; three without (one `--anchor-kl-coef 0`, two before
+anchors were built), settings otherwise the same: +0.042, +0.042, +0.029, and 1, 2, 2.
+Anchoring every such group, trained domains' too, pulled against what they learned: +0.032
+and +0.026 in two runs, at 2.6 to 2.9 times the learner's compute a step (the idle rule:
+1.5 times)."""
+SUITE_ANCHOR_GROUPS = 2
 SUITE_FALL_ALPHA = 0.05
 """A domain's fall counts as real in the suite's summary when the test on the counts
 (`scoring.drop_test`) gives p below this: two evaluations of one checkpoint with two sampling
@@ -165,6 +179,9 @@ def with_policy_defaults(args: argparse.Namespace) -> argparse.Namespace:
              if getattr(args, k, None) is None}
     if getattr(args, "suite", "") == "gym" and getattr(args, "groups_per_version", None) is None:
         unset["groups_per_version"] = SUITE_GROUPS_PER_VERSION
+    if getattr(args, "anchor_kl_coef", None) is None:
+        unset["anchor_kl_coef"] = SUITE_ANCHOR_KL_COEF if getattr(args, "suite", "") == "gym" \
+            else 0.0
     if getattr(args, "guard_every", None) is None:
         unset["guard_every"] = RM_GUARD_EVERY if getattr(args, "suite", "") == "rm" else 25
     return argparse.Namespace(**{**vars(args), **unset})
@@ -226,6 +243,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--kl-coef", type=float, default=0.0,
                    help="the learner's KL penalty to the SFT start, the regularised side of "
                         "the forgetting guard (0: off, the default)")
+    p.add_argument("--anchor-kl-coef", type=float, default=None,
+                   help="the learner's KL to the SFT start on the groups that pass nothing of "
+                        "the domains the start passes something of, while the run does not "
+                        "train them (0: off; default "
+                        f"{SUITE_ANCHOR_KL_COEF:g} with --suite gym, else 0)")
     p.add_argument("--lora-rank", type=int, default=0,
                    help="train LoRA adapters of this rank (alpha = 2 x rank) on every linear "
                         "layer instead of every weight (0: off, the default)")
@@ -383,15 +405,19 @@ def guard_floors(suite: str, start: dict[str, Any]) -> dict[str, float]:
     return {d: max(0.0, sc["pass_at_1"] - GUARD_MARGIN) for d, sc in start["domains"].items()}
 
 
+def domains_at_stake(guard_start: dict[str, Any]) -> list[str]:
+    """The domains whose start passes something on the guard's tasks: those that can fall
+    (the others can hardly). Read on the guard's tasks, not the reported ones, so that no
+    domain's reported start is the very reading that chose what is done for it."""
+    return [d for d, sc in sorted(guard_start["domains"].items()) if sc["pass_at_1"] > 0]
+
+
 def stake_samples(suite: str, guard_start: dict[str, Any]) -> dict[str, int]:
     """Samples a task, by domain, where the suite's evaluations measure finely: the domains
-    whose start passes something on the guard's tasks (the others can hardly fall). Chosen
-    on the guard's tasks, not the reported ones, so that no domain's reported start is the
-    very reading that chose its sample count."""
+    at stake."""
     if suite != "gym":
         return {}
-    return {d: SUITE_STAKE_SAMPLES for d, sc in sorted(guard_start["domains"].items())
-            if sc["pass_at_1"] > 0}
+    return dict.fromkeys(domains_at_stake(guard_start), SUITE_STAKE_SAMPLES)
 
 
 def guard_tasks_per_tier(reward_model: str = "", suite: str = "") -> int:
@@ -467,7 +493,8 @@ def cluster_config(run: str, run_dir: Path, sft: Path, domains: list[str],
                    start_pass_rates: dict[str, list[float]] | None = None,
                    start_samples: dict[str, list[int]] | None = None,
                    start_scores: Path | None = None, reward_model: str = "",
-                   guard_samples: dict[str, int] | None = None) -> str:
+                   guard_samples: dict[str, int] | None = None,
+                   anchor_domains: list[str] | None = None) -> str:
     """The TOML `reinforge up` runs. Sized for 2 CPU cores. `max_staleness=0` makes the
     actors take turns (generate, verify, train, each waiting for the last): the synchronous
     baseline of `bench/rl_throughput.py`.
@@ -520,6 +547,9 @@ config = {{ model_path = {json.dumps(str(sft))}, domains = [{dlist}], k = 2{guar
 """
     lora = (f", lora = {{ r = {args.lora_rank}, alpha = {2.0 * args.lora_rank} }}"
             if args.lora_rank else "")
+    anchors = (f", anchor_domains = {json.dumps(anchor_domains)}, anchor_kl_coef = "
+               f"{args.anchor_kl_coef}, anchor_groups = {SUITE_ANCHOR_GROUPS}"
+               if anchor_domains and args.anchor_kl_coef > 0 else "")
     starts = inline_table("start_pass_rates", {
         d: [round(r, 4) for r in rates] for d, rates in (start_pass_rates or {}).items()})
     starts += inline_table("start_samples", start_samples or {})
@@ -553,7 +583,7 @@ config = {{ domains = [{dlist}], sandbox_pool_size = {SANDBOX_POOL_SIZE}{rm} }}
 
 [[actors]]
 spec = "reinforge.actors.learner:Learner"
-config = {{ model = {json.dumps(str(sft))}, checkpoint_dir = {json.dumps(str(ckpt))}, learning_rate = {args.learning_rate}, tis_cap = {args.tis_cap}, kl_coef = {args.kl_coef}, torch_threads = 1, keep_last = 2, keep_every = {args.guard_every if guard is not None else 0}{suite_floor}{lora} }}
+config = {{ model = {json.dumps(str(sft))}, checkpoint_dir = {json.dumps(str(ckpt))}, learning_rate = {args.learning_rate}, tis_cap = {args.tis_cap}, kl_coef = {args.kl_coef}, torch_threads = 1, keep_last = 2, keep_every = {args.guard_every if guard is not None else 0}{suite_floor}{anchors}{lora} }}
 
 [[actors]]
 spec = "reinforge.actors.monitor:Monitor"
@@ -678,7 +708,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                           for d, sc in before["domains"].items()},
         start_samples={d: tier_samples(sc["task_counts"], tier_of[d])
                        for d, sc in before["domains"].items()},
-        start_scores=start_path, reward_model=rm_dir))
+        start_scores=start_path, reward_model=rm_dir,
+        anchor_domains=domains_at_stake(guard_start)))
 
     say(f"starting the cluster: reinforge up {config_path} --detach")
     try:  # from here on, however the demo ends (SIGTERM too), the cluster is taken down

@@ -289,6 +289,35 @@ def test_the_demos_kl_coefficient_and_lora_rank_reach_the_learners_config(tmp_pa
     assert learner.config["lora"] == {"r": 8, "alpha": 16.0}
 
 
+def test_the_suite_anchors_the_domains_at_stake_and_the_flag_sets_or_ends_it(tmp_path):
+    """The domains whose start passes something on the guard's tasks anchor the suite's
+    learner at `SUITE_ANCHOR_KL_COEF`; `--anchor-kl-coef 0` turns it off, and the other demos
+    anchor nothing unless told."""
+    import argparse
+
+    from reinforge.cli import demo
+    from reinforge.core.cluster import load_cluster_config
+
+    guard_start = {"domains": {"gym-aiw": {"pass_at_1": 0.25}, "gym-ab": {"pass_at_1": 0.0},
+                               "gym-gcd": {"pass_at_1": 0.0625}}}
+    assert demo.domains_at_stake(guard_start) == ["gym-aiw", "gym-gcd"]
+    parser = argparse.ArgumentParser(prog="reinforge")
+    demo.register(parser.add_subparsers(dest="command"))
+    config = tmp_path / "demo.toml"
+    for argv, want in ((["demo", "--suite", "gym"], demo.SUITE_ANCHOR_KL_COEF),
+                       (["demo", "--suite", "gym", "--anchor-kl-coef", "0"], None),
+                       (["demo"], None), (["demo", "--anchor-kl-coef", "0.5"], 0.5)):
+        config.write_text(demo.cluster_config(
+            "a", tmp_path, tmp_path / "sft", ["gym-aiw", "gym-ab", "gym-gcd"],
+            parser.parse_args(argv), anchor_domains=demo.domains_at_stake(guard_start)))
+        learner, = [a for a in load_cluster_config(config).actors
+                    if a.spec.endswith(":Learner")]
+        assert learner.config.get("anchor_kl_coef") == want, argv
+        assert learner.config.get("anchor_domains") == (
+            None if want is None else ["gym-aiw", "gym-gcd"])
+    assert demo.SUITE_ANCHOR_KL_COEF > 0
+
+
 def test_the_policys_defaults_reach_the_learner_from_the_command_line_as_parsed(tmp_path):
     """A config written from the parsed command line (as `reinforge demo` and the benches
     do) takes each unset setting from one table: the tiny policy's or a pretrained one's."""
