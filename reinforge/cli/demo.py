@@ -137,9 +137,10 @@ step with each token's k3 KL to the start weighted this (`LearnerConfig.anchor_d
 most `SUITE_ANCHOR_GROUPS` a step, a domain idle for `anchor_idle_versions`). A family the
 run leaves alone drifts with the others: self_reference (each task gives one answer to every
 sample, so its groups seldom teach) fell 0.094 to 0.102 in five of eight runs without it,
-trained on 2 to 4 groups. Three runs with it: mean change +0.0495, +0.040, +0.043, domains
-worse by more than 0.05: 0, 3, 0; three without (one `--anchor-kl-coef 0`, two before
-anchors were built), settings otherwise the same: +0.042, +0.042, +0.029, and 1, 2, 2.
+trained on 2 to 4 groups. Four runs with it: mean change +0.0495, +0.040, +0.043, +0.028,
+domains worse by more than 0.05: 0, 3, 0, 2, self_reference +0.40 in three; four without
+(two `--anchor-kl-coef 0`, two before anchors were built), settings otherwise the same:
++0.042, +0.042, +0.029, +0.015, and 1, 2, 2, 2, self_reference -0.10 in all four.
 Anchoring every such group, trained domains' too, pulled against what they learned: +0.032
 and +0.026 in two runs, at 2.6 to 2.9 times the learner's compute a step (the idle rule:
 1.2 to 1.6 times)."""
